@@ -1,0 +1,84 @@
+"""The attention backend interface and the per-step metadata it receives.
+
+A step's tokens are flat: (T, heads, head_dim). They are split into groups of sequences with
+one kernel call each; the model runner puts decode sequences (one new token each) in the first
+group and prefill chunks in the second, so decodes are never padded to a prefill's length.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose new tokens are the flat slice [token_start, token_end)."""
+
+    token_start: int
+    token_end: int
+    block_tables: torch.Tensor  # (S, max_blocks) int64, padded with 0
+    context_lens: torch.Tensor  # (S,) int64: cached + new tokens after this step
+    query_lens: torch.Tensor  # (S,) int64: new tokens this step
+    max_query_len: int
+    max_context_len: int
+    prepared: dict = field(default_factory=dict)  # backend-owned, built once per step
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot of each new token
+    groups: list[AttentionGroup]
+    block_size: int
+    sliding_window: int | None = None
+
+
+@dataclass
+class KVCache:
+    """One allocation for all layers. Unquantized: k/v are (L, num_blocks, block_size, Hkv, D)
+    in the model dtype. Quantized caches add per-token, per-head scales and zero points."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    quant_policy: int = 0
+    k_scale_zero: torch.Tensor | None = None  # (L, num_blocks, block_size, Hkv, 2)
+    v_scale_zero: torch.Tensor | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.k, self.v, self.k_scale_zero, self.v_scale_zero]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class AttentionBackend(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def allocate(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_policy: int = 0,
+    ) -> KVCache: ...
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Build per-step index tensors once; every layer reuses them."""
+
+    @abstractmethod
+    def write(
+        self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> None:
+        """Store this step's k, v (T, Hkv, D) at md.slot_mapping."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, cache: KVCache, layer: int, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of q (T, H, D) over each sequence's cached context -> (T, H, D)."""

@@ -1,0 +1,128 @@
+"""Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
+
+Per group, one batched SDPA call: queries padded to (S, max_q), keys gathered from the block
+tables up to the group's longest context, and a boolean causal (optionally sliding-window) mask.
+No Python loop over sequences or layers happens inside a step; the index tensors are built once
+per step in `prepare` and shared by all layers.
+
+KV quantization (quant_policy 8 / 4): asymmetric per token and per head. For each (token, head)
+the cache stores `scale = (max - min) / levels` and `zero = min` in the model dtype, and codes
+`round((x - zero) / scale)` as uint8 (8 bits) or two 4-bit codes per byte (4 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
+
+_LEVELS = {8: 255, 4: 15}
+
+
+def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H, D) -> codes (T, H, D or D/2) uint8, scale_zero (T, H, 2) in x.dtype."""
+    levels = _LEVELS[bits]
+    xf = x.float()
+    lo = xf.amin(dim=-1, keepdim=True)
+    hi = xf.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(1e-8)
+    # Round-trip the stored params through the cache dtype so encode and decode agree.
+    scale = scale.to(x.dtype).float().clamp_min(1e-8)
+    lo = lo.to(x.dtype).float()
+    codes = torch.clamp(torch.round((xf - lo) / scale), 0, levels).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, torch.cat([scale, lo], dim=-1).to(x.dtype)
+
+
+def dequantize_kv(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes (..., D or D/2) uint8, scale_zero (..., 2) -> (..., D) in scale_zero.dtype."""
+    if bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+    scale, zero = scale_zero[..., :1], scale_zero[..., 1:]
+    return (codes.to(scale_zero.dtype) * scale + zero).to(scale_zero.dtype)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def allocate(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                 quant_policy=0) -> KVCache:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads)
+        if quant_policy == 0:
+            return KVCache(
+                k=torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+                v=torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+            )
+        width = head_dim if quant_policy == 8 else head_dim // 2
+        return KVCache(
+            k=torch.zeros(*shape, width, dtype=torch.uint8, device=device),
+            v=torch.zeros(*shape, width, dtype=torch.uint8, device=device),
+            quant_policy=quant_policy,
+            k_scale_zero=torch.zeros(*shape, 2, dtype=dtype, device=device),
+            v_scale_zero=torch.zeros(*shape, 2, dtype=dtype, device=device),
+        )
+
+    def prepare(self, md: AttentionMetadata) -> None:
+        for g in md.groups:
+            g.prepared = _prepare_group(g, md.block_size, md.sliding_window)
+
+    def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
+        slots = md.slot_mapping
+        if cache.quant_policy == 0:
+            cache.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            cache.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+            return
+        for codes, params, x in ((cache.k, cache.k_scale_zero, k), (cache.v, cache.v_scale_zero, v)):
+            q, sz = quantize_kv(x, cache.quant_policy)
+            codes[layer].view(-1, *q.shape[1:]).index_copy_(0, slots, q)
+            params[layer].view(-1, *sz.shape[1:]).index_copy_(0, slots, sz)
+
+    def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
+        out = torch.empty_like(q)
+        for g in md.groups:
+            p = g.prepared
+            k = _gather(cache, cache.k, cache.k_scale_zero, layer, p["kv_index"], q.dtype)
+            v = _gather(cache, cache.v, cache.v_scale_zero, layer, p["kv_index"], q.dtype)
+            qg = q[g.token_start : g.token_end]
+            if g.max_query_len == 1:
+                qp = qg.unsqueeze(1)  # (S, 1, H, D)
+            else:
+                qp = qg[p["q_index"]]  # (S, max_q, H, D)
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=p["mask"], scale=scale, enable_gqa=k.shape[2] != qp.shape[2],
+            ).transpose(1, 2)  # (S, max_q, H, D)
+            out[g.token_start : g.token_end] = o.reshape(-1, *o.shape[2:]) if g.max_query_len == 1 \
+                else o[p["q_valid"]]
+        return out
+
+
+def _gather(cache: KVCache, data, params, layer: int, kv_index, dtype) -> torch.Tensor:
+    # kv_index (S, C) flat slots -> (S, C, Hkv, D)
+    flat = data[layer].flatten(0, 1)
+    if cache.quant_policy == 0:
+        return flat[kv_index]
+    sz = params[layer].flatten(0, 1)[kv_index]
+    return dequantize_kv(flat[kv_index], sz, cache.quant_policy).to(dtype)
+
+
+def _prepare_group(g: AttentionGroup, block_size: int, window: int | None) -> dict:
+    device = g.block_tables.device
+    ctx = torch.arange(g.max_context_len, device=device)  # (C,)
+    blocks = g.block_tables.gather(1, (ctx // block_size).expand(g.block_tables.shape[0], -1))
+    kv_index = blocks * block_size + ctx % block_size  # (S, C)
+    qpos = torch.arange(g.max_query_len, device=device)  # (Q,)
+    q_valid = qpos[None, :] < g.query_lens[:, None]  # (S, Q)
+    # Absolute position of query t of sequence s: context_len - query_len + t.
+    abs_q = (g.context_lens - g.query_lens)[:, None] + qpos[None, :]  # (S, Q)
+    mask = (ctx[None, None, :] <= abs_q[:, :, None]) & (
+        ctx[None, None, :] < g.context_lens[:, None, None]
+    )  # (S, Q, C)
+    if window is not None:
+        mask &= ctx[None, None, :] > abs_q[:, :, None] - window
+    mask |= ~q_valid[:, :, None] & (ctx == 0)  # padded queries see one key, so no NaN rows
+    starts = torch.cumsum(g.query_lens, 0) - g.query_lens  # (S,)
+    q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - g.token_start - 1)
+    return {"kv_index": kv_index, "mask": mask[:, None], "q_valid": q_valid, "q_index": q_index}

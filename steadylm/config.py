@@ -1,0 +1,202 @@
+"""Frozen configuration objects, validated once.
+
+`ModelConfig` is the HF config normalised into the few numbers the engine needs. `EngineConfig`
+holds every knob a user sets (named as LMDeploy and vLLM users know them). Derived values are
+properties; nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from steadylm.errors import ConfigError, ModelLoadError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+QUANT_POLICIES = (0, 4, 8)
+
+
+def parse_dtype(name: str | torch.dtype, field_name: str = "dtype") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name).lower()]
+    except KeyError:
+        choices = ", ".join(sorted({"auto", "float32", "float16", "bfloat16"}))
+        raise ConfigError(f"{field_name}={name!r} is not supported; choose one of {choices}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers of one model, normalised from its HF config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization: dict[str, Any] | None = None
+    hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, generation_config: dict | None = None) -> ModelConfig:
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ModelLoadError("config.json has no 'architectures' entry; cannot pick a model class")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        sliding = None
+        if getattr(hf_config, "use_sliding_window", True):
+            sliding = getattr(hf_config, "sliding_window", None)
+        eos = (generation_config or {}).get("eos_token_id", hf_config.eos_token_id)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant is not None and not isinstance(quant, dict):
+            quant = quant.to_dict()
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=archs[0].startswith("Qwen3"),
+            sliding_window=sliding,
+            torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else "float32",
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            quantization=quant,
+            hf_config=hf_config,
+        )
+
+    @classmethod
+    def from_path(cls, path: str) -> ModelConfig:
+        """Read a model directory or a bare config.json without loading any weight."""
+        from transformers import AutoConfig
+
+        cfg_file = path if path.endswith(".json") else os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ModelLoadError(f"{cfg_file} not found: a model directory needs a config.json")
+        try:
+            hf_config = AutoConfig.from_pretrained(cfg_file if path.endswith(".json") else path)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {cfg_file}: {exc}") from exc
+        gen_file = os.path.join(os.path.dirname(cfg_file), "generation_config.json")
+        gen = None
+        if not path.endswith(".json") and os.path.isfile(gen_file):
+            with open(gen_file) as f:
+                gen = json.load(f)
+        return cls.from_hf(hf_config, gen)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine knob, with LMDeploy's names and defaults where LMDeploy has the knob.
+
+    Memory budget precedence (see `steadylm.memory`): exactly one of `num_gpu_blocks`,
+    `max_total_tokens`, `kv_cache_bytes`, `gpu_memory_utilization` and `cache_max_entry_count`
+    decides the KV pool. Setting two of them is an error; with none set, `cache_max_entry_count`
+    applies at its LMDeploy default of 0.8.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int = 128
+    max_prefill_token_num: int = 4096
+    block_size: int = 64
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    num_gpu_blocks: int = 0
+    max_total_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    cache_max_entry_count: float | None = None
+    watermark_blocks: int | None = None
+    eviction_type: str = "recompute"
+    seed: int = 0
+    log_stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(self.tp == 1, "tp", f"tp={self.tp}: tensor parallelism is not supported yet; use tp=1")
+        _check_positive(self, "max_batch_size", "max_prefill_token_num", "block_size")
+        if self.session_len is not None:
+            _check_positive(self, "session_len")
+        _check(
+            self.quant_policy in QUANT_POLICIES,
+            "quant_policy",
+            f"quant_policy={self.quant_policy} is not one of {QUANT_POLICIES}",
+        )
+        _check(self.num_gpu_blocks >= 0, "num_gpu_blocks", "num_gpu_blocks must be >= 0")
+        _check(
+            self.eviction_type == "recompute",
+            "eviction_type",
+            f"eviction_type={self.eviction_type!r}: only 'recompute' is supported",
+        )
+        for name in ("gpu_memory_utilization", "cache_max_entry_count"):
+            value = getattr(self, name)
+            _check(
+                value is None or 0.0 < value <= 1.0,
+                name,
+                f"{name}={value} must be in (0, 1]",
+            )
+        for name in ("max_total_tokens", "kv_cache_bytes"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, f"{name}={value} must be positive")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(message, param=name)
+
+
+def _check_positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        _check(isinstance(value, int) and value > 0, name, f"{name}={value!r} must be a positive int")

@@ -1,0 +1,291 @@
+"""The engine API every entry point builds on: add a request, step, abort, read outputs.
+
+`step()` is three calls: schedule, execute, update. A fault inside execute is delivered to
+every request of that step as an error result; the engine keeps serving, and reports itself
+unhealthy (with the cause) only after repeated consecutive faults.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from steadylm import platform
+from steadylm.attention import get_backend
+from steadylm.config import EngineConfig, ModelConfig
+from steadylm.engine.block_manager import BlockManager
+from steadylm.engine.model_runner import ModelRunner
+from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from steadylm.engine.scheduler import Scheduler
+from steadylm.errors import RequestError
+from steadylm.memory import MemoryPlan, plan_memory
+
+logger = logging.getLogger("steadylm")
+
+MAX_CONSECUTIVE_FAULTS = 3
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    healthy: bool
+    last_error: str | None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        plan: MemoryPlan,
+        device: torch.device,
+        dtype: torch.dtype,
+        tokenizer: Any = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.plan = plan
+        self.device = device
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.session_len = plan.session_len
+        backend = get_backend("torch")
+        self.kv_cache = backend.allocate(
+            model_config.num_layers, plan.num_blocks, plan.block_size,
+            model_config.num_kv_heads, model_config.head_dim, dtype, device, config.quant_policy,
+        )
+        watermark = config.watermark_blocks
+        if watermark is None:
+            watermark = max(1, plan.num_blocks // 100) if plan.num_blocks > 8 else 0
+        self.block_manager = BlockManager(
+            plan.num_blocks, plan.block_size, config.enable_prefix_caching, watermark
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_batch_size, plan.max_prefill_token_num
+        )
+        self.runner = ModelRunner(model, backend, self.kv_cache, self.block_manager, device,
+                                  config.seed)
+        self.requests: dict[str, Request] = {}
+        self._reported: dict[str, int] = {}
+        self._ids = itertools.count()
+        self.consecutive_faults = 0
+        self.last_error: str | None = None
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self._last_stats_log = time.monotonic()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
+                        tokenizer: Any = None) -> LLMEngine:
+        from steadylm.loader import load_model, safetensors_files, weight_bytes_from_files
+
+        config = config or EngineConfig()
+        mc = ModelConfig.from_path(model_dir)
+        device = platform.resolve_device(config.device)
+        dtype = platform.resolve_dtype(config.dtype, mc, device)
+        files = safetensors_files(model_dir)
+        plan = make_plan(mc, config, device, dtype, weight_bytes_from_files(files, dtype))
+        model = load_model(model_dir, mc, dtype, device)
+        return cls(model, mc, config, plan, device, dtype, tokenizer)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> LLMEngine:
+        """Wrap an already-built model (tests, the demo)."""
+        mc = model.cfg
+        param = next(model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan = make_plan(mc, config, param.device, param.dtype, weights)
+        return cls(model, mc, config, plan, param.device, param.dtype, tokenizer)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        self._check_prompt(ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_total_tokens=min(len(ids) + params.max_new_tokens, self.session_len),
+        )
+        self.requests[request_id] = req
+        self._reported[request_id] = 0
+        self.num_prompt_tokens += len(ids)
+        self.scheduler.add_request(req)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; pass token ids instead",
+                                   param="prompt")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}",
+                               param="prompt")
+        return ids
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        n = len(ids)
+        if n == 0:
+            raise RequestError("the prompt is empty; give at least one token", param="prompt")
+        capacity = self.block_manager.capacity_tokens
+        if n + 1 > self.session_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; with one new token that is longer than "
+                f"session_len={self.session_len}. Shorten the prompt or raise session_len "
+                f"(KV capacity is {capacity} tokens).", param="prompt")
+        if n + 1 > capacity:
+            raise RequestError(
+                f"the prompt has {n} tokens; with one new token that is more than the whole KV "
+                f"cache ({capacity} tokens). Raise the KV cache size or shorten the prompt.",
+                param="prompt")
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self.runner.sampler.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as exc:  # a model fault: fail this step's requests, keep serving
+            return self._on_fault(out, exc)
+        self.consecutive_faults = 0
+        self.num_generated_tokens += len(sampled)
+        self.scheduler.update(out, sampled)
+        touched = [s.request for s in out.scheduled] + out.errored
+        self._maybe_log_stats()
+        return self._outputs(touched)
+
+    def _on_fault(self, out, exc: Exception) -> list[RequestOutput]:
+        self.consecutive_faults += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        logger.exception("engine step failed; failing %d request(s)", len(out.scheduled))
+        failed = self.scheduler.fail(out, f"engine fault: {self.last_error}")
+        return self._outputs(failed)
+
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in touched:
+            done = self._reported.get(req.request_id)
+            if done is None:
+                continue
+            new = req.output_token_ids[done:]
+            if not new and not req.is_finished:
+                continue
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=new,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                finished=req.is_finished, finish_reason=req.finish_reason, error=req.error,
+                new_logprobs=req.output_logprobs[done:], num_cached_tokens=req.num_cached_tokens,
+                num_preemptions=req.num_preemptions,
+            ))
+            self._reported[req.request_id] = req.num_output_tokens
+            if req.is_finished:
+                self._forget(req)
+        return outputs
+
+    def _forget(self, req: Request) -> None:
+        self._reported.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        self.runner.sampler.release(req.request_id)
+
+    def abort_all(self, error: str | None = None) -> list[RequestOutput]:
+        """Finish every unfinished request: aborted, or failed with `error` (a dead loop)."""
+        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self.scheduler.abort(req.request_id, status, error)
+        return self._outputs(reqs)
+
+    # ---- convenience --------------------------------------------------------------------
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [self.requests[i] for i in ids]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    @property
+    def healthy(self) -> bool:
+        return self.consecutive_faults < MAX_CONSECUTIVE_FAULTS
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            prefix_cache_hit_rate=bm.hit_rate, num_steps=self.scheduler.stats.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            healthy=self.healthy, last_error=self.last_error,
+        )
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_log < self.config.log_stats_interval_s:
+            return
+        self._last_stats_log = now
+        s = self.stats()
+        reasons = {}
+        for r in self.scheduler.waiting:
+            reasons[r.wait_reason] = reasons.get(r.wait_reason, 0) + 1
+        logger.info(
+            "running %d, waiting %d %s, KV blocks %d/%d used, preemptions %d, prefix hit %.1f%%",
+            s.num_running, s.num_waiting, reasons or "", s.kv_blocks_used, s.kv_blocks_total,
+            s.num_preemptions, 100 * s.prefix_cache_hit_rate,
+        )
+
+
+def make_plan(mc: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+              weight_bytes: int) -> MemoryPlan:
+    mem = platform.device_memory(device)
+    plan = plan_memory(mc, config, mem, torch.tensor([], dtype=dtype).element_size(),
+                       weight_bytes=weight_bytes, is_cpu=device.type == "cpu")
+    logger.info("%s", plan.table())
+    for note in plan.notes:
+        logger.warning("%s", note)
+    return plan

@@ -1,0 +1,186 @@
+"""A request is plain data: its tokens, one progress counter and an ordered status."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from steadylm.errors import RequestError
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished, so `is_finished` is one comparison."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature == 0 means greedy."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    bad_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+                 "max_new_tokens", f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        _require(_finite(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+                 f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
+        _require(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",
+                 f"top_p={self.top_p!r} must be in (0, 1]")
+        _require(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+                 f"min_p={self.min_p!r} must be in [0, 1]")
+        _require(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                 "repetition_penalty",
+                 f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)")
+        _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+                 "min_new_tokens", f"min_new_tokens={self.min_new_tokens!r} must be an int >= 0")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+                 "logprobs", f"logprobs={self.logprobs!r} must be an int >= 0")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            ids = getattr(self, name)
+            _require(all(isinstance(t, int) and t >= 0 for t in ids), name,
+                     f"{name} must hold non-negative token ids, got {list(ids)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise RequestError(message, param=param)
+
+
+@dataclass
+class Request:
+    """One generation. `num_computed_tokens` is the only progress counter: tokens whose K/V are
+    in the cache. A request samples a new token in a step that computes its last known token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 0  # prompt + output cap: min(prompt + max_new_tokens, session_len)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    wait_reason: str = "queued"
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.max_total_tokens:
+            self.max_total_tokens = len(self.prompt_token_ids) + self.params.max_new_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        """The one place output tokens change; it also decides stop and length."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        n = self.num_output_tokens
+        stops = self.params.stop_token_ids + (() if self.params.ignore_eos else self.eos_token_ids)
+        if n >= self.params.min_new_tokens and token_id in stops:
+            self.finish(RequestStatus.FINISHED_STOPPED)
+        elif self.num_tokens >= self.max_total_tokens:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        assert status.is_finished, status
+        if self.is_finished:
+            return
+        self.status = status
+        self.error = error
+        self.finish_time = time.monotonic()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What the engine reports for one request after a step: the new tokens since the last
+    report, and the finish state once it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0

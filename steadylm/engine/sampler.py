@@ -1,0 +1,132 @@
+"""Batched sampling for one step: penalties, bans, temperature, top-k, top-p, min-p, then an
+exponential race (argmax of p / E, E ~ Exp(1)), which draws from p without a host sync.
+
+A seeded request owns a `torch.Generator`; its noise row is drawn from it alone, so its tokens do
+not depend on what else is in the batch. Unseeded rows share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from steadylm.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits (S, V) float32, one row per request that samples this step."""
+        logits = self._apply_penalties(logits, requests)
+        raw_logprobs = None
+        want = [r.params.logprobs for r in requests]
+        if any(w is not None for w in want):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, requests)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        logprobs = _collect_logprobs(raw_logprobs, token_list, want)
+        return SamplerOutput(token_list, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        banned_rows, banned_cols = [], []
+        for i, r in enumerate(requests):
+            ids = list(r.params.bad_token_ids)
+            if r.num_output_tokens < r.params.min_new_tokens:
+                ids += list(r.params.stop_token_ids) + list(r.eos_token_ids)
+            banned_rows += [i] * len(ids)
+            banned_cols += ids
+        penalised = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+        if not banned_rows and not penalised:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        if banned_rows:
+            rows = torch.tensor(banned_rows, device=logits.device)
+            cols = torch.tensor(banned_cols, device=logits.device).clamp(max=vocab - 1)
+            logits[rows, cols] = float("-inf")
+        for i in penalised:  # HF semantics: divide positive logits, multiply negative ones
+            seen = torch.tensor(sorted(set(requests[i].all_token_ids)), device=logits.device)
+            seen = seen[seen < vocab]
+            p = requests[i].params.repetition_penalty
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature or 1.0 for r in requests], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in requests], device=dev)
+        probs = filter_probs(logits / temp[:, None], top_k, top_p, min_p)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=self._generator_for(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, r: Request) -> torch.Generator:
+        if r.params.seed is None:
+            return self.generator
+        g = self.request_generators.get(r.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            self.request_generators[r.request_id] = g
+        return g
+
+
+def filter_probs(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities after top-k, top-p (nucleus) and min-p, renormalised. logits (S, V);
+    top_k 0 disables it. At least the most likely token always survives."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the mass before it already reaches top_p.
+    before = probs.cumsum(dim=-1) - probs
+    drop = (before >= top_p[:, None]) & (rank > 0)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.empty_like(probs).scatter_(1, order, probs)
+
+
+def _collect_logprobs(
+    raw: torch.Tensor | None, tokens: list[int], want: list[int | None]
+) -> list[dict[int, float] | None]:
+    if raw is None:
+        return [None] * len(tokens)
+    out: list[dict[int, float] | None] = []
+    kmax = max(w or 0 for w in want)
+    top_vals, top_ids = raw.topk(kmax, dim=-1) if kmax else (None, None)
+    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    for i, w in enumerate(want):
+        if w is None:
+            out.append(None)
+            continue
+        d = {tokens[i]: chosen[i]}
+        if w:
+            d.update(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist()))
+        out.append(d)
+    return out

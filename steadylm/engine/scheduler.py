@@ -1,0 +1,207 @@
+"""The scheduler decides what each step computes. It never touches tensors.
+
+Progress guarantee: `session_len` never exceeds the KV capacity (the engine clamps it at
+startup), running requests are served oldest first, and when one cannot grow the newest running
+request is preempted (recompute). So the oldest request can always take one more token, every
+running request finishes, and every waiting request is admitted once the pool drains. No input
+reaches an assert: a request that still cannot grow alone is finished with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from steadylm.engine.block_manager import BlockManager
+from steadylm.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last known token (and so samples one)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs to know about one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    errored: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_empty_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int
+    ) -> None:
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        self.stats.num_steps += 1
+        self.stats.num_empty_steps += out.is_empty
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            while not self.bm.can_allocate(req, n) and self.running[-1] is not req:
+                self._preempt(self.running.pop(), out)
+            if self.bm.can_allocate(req, n):
+                self.bm.allocate(req, n)
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+            elif out.scheduled:
+                # Older requests scheduled this step hold the blocks; step back and retry later.
+                self._preempt(self.running.pop(), out)
+            else:
+                self._fail_alone(req, n, out)
+        return budget
+
+    def _fail_alone(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        # Unreachable while session_len <= capacity; kept so no state can stall the loop.
+        self.running.remove(req)
+        need = self.bm.num_blocks_to_allocate(req, n)
+        msg = (
+            f"KV cache exhausted: request {req.request_id} holds {req.num_tokens} tokens and "
+            f"needs {need} more block(s), but only {self.bm.num_free_blocks} of "
+            f"{self.bm.num_blocks} are free with nothing left to preempt. Lower session_len or "
+            f"raise the KV cache size (gpu_memory_utilization, cache_max_entry_count)."
+        )
+        logger.error(msg)
+        self.bm.free(req)
+        req.finish(RequestStatus.FINISHED_ERROR, msg)
+        out.errored.append(req)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        victim.wait_reason = "preempted"
+        self.waiting.appendleft(victim)
+        self.stats.num_preemptions += 1
+        out.preempted.append(victim)
+        logger.debug("preempted %s at %d tokens", victim.request_id, victim.num_tokens)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting:
+            req = self.waiting[0]
+            if len(self.running) >= self.max_batch_size:
+                return self._mark_waiting("max_batch_size")
+            if budget <= 0:
+                return self._mark_waiting("token_budget")
+            prefix = self.bm.find_cached_prefix(req)
+            num_cached = len(prefix) * self.bm.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            # The watermark keeps headroom for running requests to grow; with nothing running
+            # it would only block a request that fits, so it is not applied then.
+            keep = bool(self.running)
+            if not self.bm.can_allocate(req, n, prefix, keep_watermark=keep):
+                return self._mark_waiting("no_free_blocks")
+            self.waiting.popleft()
+            self.bm.allocate(req, n, prefix)
+            self.bm.record_prefix_query(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.wait_reason = ""
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+    def _mark_waiting(self, reason: str) -> None:
+        for req in self.waiting:
+            req.wait_reason = reason
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict | None]]) -> list[Request]:
+        """Advance progress after the model ran; return the requests that finished."""
+        finished = list(out.errored)
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_full_blocks(req)
+            if req.request_id in sampled:
+                token, logprobs = sampled[req.request_id]
+                req.append_output(token, logprobs)
+            if req.is_finished:
+                self._remove(req)
+                finished.append(req)
+        return finished
+
+    def fail(self, out: SchedulerOutput, error: str) -> list[Request]:
+        """A step raised: every request it touched finishes with the error."""
+        failed = []
+        for s in out.scheduled:
+            if not s.request.is_finished:
+                s.request.finish(RequestStatus.FINISHED_ERROR, error)
+            self._remove(s.request)
+            failed.append(s.request)
+        return failed + list(out.errored)
+
+    def abort(
+        self,
+        request_id: str,
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        error: str | None = None,
+    ) -> Request | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.finish(status, error)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self._remove(req)
+                req.finish(status, error)
+                return req
+        return None
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.bm.free(req)

@@ -1,0 +1,1 @@
+"""Small modules that load their own weights; models only compose them."""

@@ -1,0 +1,62 @@
+"""Linear layers. Each parameter carries a `weight_loader(param, tensor, shard_id)`.
+
+Merged layers (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) take one matmul where the
+checkpoint has several; their loader copies each checkpoint shard into its row range.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steadylm.errors import ModelLoadError
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ModelLoadError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W stored as (out_features, in_features) like torch and HF."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.weight.weight_loader = self._load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        assert isinstance(shard_id, int), shard_id
+        start, size = self.offsets[shard_id], self.output_sizes[shard_id]
+        target = param.data.narrow(0, start, size)
+        if target.shape != loaded.shape:
+            raise ModelLoadError(
+                f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
+            )
+        target.copy_(loaded)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.output_sizes, dim=-1)

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (rotate-half layout, as HF Llama/Qwen).
+
+The inverse frequencies come from transformers' own RoPE init functions for scaled variants
+(llama3, linear, yarn, ...), so they match HF exactly. cos/sin are computed per step for the
+step's positions only: no table of max_position_embeddings rows is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def inv_freq_and_scale(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        from steadylm.errors import ModelLoadError
+
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    return inv.float(), float(scale)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config: Any, head_dim: int) -> None:
+        super().__init__()
+        inv_freq, self.scale = inv_freq_and_scale(hf_config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (T,), q (T, H, D), k (T, Hkv, D)
+        freqs = positions[:, None].float() * self.inv_freq  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # (T, 1, D)
+        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,157 @@
+"""Weights from a local HF directory (single or sharded safetensors) into a registered model.
+
+Every error names the file and the tensor: a missing shard, a missing tensor, a shape mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from steadylm.config import ModelConfig
+from steadylm.errors import ModelLoadError
+from steadylm.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_dir, name)):
+                raise ModelLoadError(f"{index} lists shard {name!r}, which is missing from {model_dir}")
+        return [os.path.join(model_dir, name) for name in files]
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    found = [f for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+    if found:
+        return [os.path.join(model_dir, f) for f in sorted(found)]
+    raise ModelLoadError(
+        f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards "
+        "(only safetensors is supported; convert .bin/.pth checkpoints with transformers' "
+        "save_pretrained(safe_serialization=True))"
+    )
+
+
+def iter_tensors(files: list[str], device: str = "cpu") -> Iterator[tuple[str, str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                for name in f.keys():
+                    yield path, name, f.get_tensor(name)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def tensor_shapes(files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) from the safetensors headers alone: no tensor is read."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = (tuple(meta["shape"]), meta["dtype"])
+    return out
+
+
+def create_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model with uninitialised parameters of `dtype` directly on `device`."""
+    cls = get_model_class(cfg.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    model = create_model(cfg, dtype, device)
+    load_weights(model, safetensors_files(model_dir), cfg)
+    return model
+
+
+def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected_loads(model, params, cfg)
+    loaded: set[tuple[str, object]] = set()
+    for path, name, tensor in iter_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        target, shard = _map_name(model, name)
+        param = params.get(target)
+        if param is None:
+            logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, path)
+            continue
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path}: tensor {name!r}: {exc.message}") from None
+        loaded.add((target, shard))
+    missing = sorted(f"{n} (shard {s})" if s is not None else n for n, s in expected - loaded)
+    if missing:
+        names = ", ".join(os.path.basename(f) for f in files)
+        raise ModelLoadError(f"tensors missing from {names}: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _map_name(model: nn.Module, name: str) -> tuple[str, int | None]:
+    for frag, (merged, shard) in model.packed_modules.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{merged}."), shard
+    return name, None
+
+
+def _expected_loads(model: nn.Module, params: dict, cfg: ModelConfig) -> set[tuple[str, object]]:
+    expected: set[tuple[str, object]] = set()
+    for name in params:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = getattr(module, "output_sizes", None)
+        if sizes is None:
+            expected.add((name, None))
+        else:
+            expected.update((name, i) for i in range(len(sizes)))
+    return expected
+
+
+_HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                       "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def weight_bytes_from_files(files: list[str], dtype: torch.dtype) -> int:
+    """Bytes the loaded weights will take: float tensors in `dtype`, integer (packed) tensors
+    as stored. Read from the safetensors headers only."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for shape, st_dtype in tensor_shapes(files).values():
+        n = 1
+        for d in shape:
+            n *= d
+        is_float = st_dtype in ("F64", "F32", "F16", "BF16")
+        total += n * (size if is_float else _HEADER_DTYPE_BYTES.get(st_dtype, 4))
+    return total

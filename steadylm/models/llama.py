@@ -1,0 +1,115 @@
+"""Llama (and the decoder shared by Qwen2, Qwen3 and Mistral, which set class flags)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
+from steadylm.config import ModelConfig
+from steadylm.layers.linear import Linear, MergedLinear, default_weight_loader
+from steadylm.layers.norm import RMSNorm
+from steadylm.layers.rotary import RotaryEmbedding
+from steadylm.models.registry import register
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (T, H*D), (T, Hkv*D) x2
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        backend.write(cache, self.layer, k, v, md)
+        o = backend.forward(q, cache, self.layer, md, self.scale)  # (T, H, D)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, **attn_flags: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, **attn_flags)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, backend, cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), positions, backend, cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, **attn_flags: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **attn_flags) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids, positions, backend, cache, md):
+        x = self.embed_tokens(ids)  # (T, C)
+        for layer in self.layers:
+            x = layer(x, positions, backend, cache, md)
+        return self.norm(x)
+
+
+@register("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our module name, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def attn_flags(cls, cfg: ModelConfig) -> dict[str, bool]:
+        return {"qkv_bias": cfg.attention_bias, "o_bias": cfg.attention_bias, "qk_norm": False}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, **self.attn_flags(cfg))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
+        """ids, positions (T,) -> final hidden states (T, C)."""
+        return self.model(ids, positions, backend, cache, md)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (S, V)
