@@ -1,0 +1,120 @@
+"""Block manager with tiny pools: exact block ids, ref counts, freeing, prefix-cache hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadylm.engine.block_manager import BlockManager, hash_block
+from steadylm.engine.request import Request, SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_new_tokens=8))
+
+
+def test_allocate_exact_ids_and_free_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = req("a", list(range(9))), req("b", list(range(3)))
+    assert bm.num_blocks_to_allocate(a, 9) == 3
+    bm.allocate(a, 9)
+    bm.allocate(b, 3)
+    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.block_table("b") == [3]
+    assert bm.num_free_blocks == 2
+    bm.check_integrity()
+    bm.free(a)
+    # Freed in reverse order to the queue tail: the LRU front is still 4, 5.
+    assert list(bm.free_queue) == [4, 5, 2, 1, 0]
+    bm.check_integrity()
+    c = req("c", list(range(12)))
+    bm.allocate(c, 12)
+    assert bm.block_table("c") == [4, 5, 2]
+    bm.free(b)
+    bm.free(c)
+    assert bm.num_free_blocks == 6
+    bm.check_integrity()
+
+
+def test_growth_allocates_one_block_per_boundary():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = req("a", [1, 2, 3, 4])
+    bm.allocate(a, 4)
+    a.num_computed_tokens = 4
+    a.append_output(9)
+    assert bm.num_blocks_to_allocate(a, 1) == 1
+    bm.allocate(a, 1)
+    assert bm.block_table("a") == [0, 1]
+    a.num_computed_tokens = 5
+    a.append_output(9)
+    assert bm.num_blocks_to_allocate(a, 1) == 0
+
+
+def test_can_allocate_refuses_without_changing_state():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = req("a", list(range(12)))
+    assert not bm.can_allocate(a, 12)
+    assert bm.num_free_blocks == 2 and not bm.req_blocks
+    bm.check_integrity()
+
+
+def test_watermark_applies_only_when_asked():
+    bm = BlockManager(num_blocks=4, block_size=4, watermark_blocks=1)
+    a = req("a", list(range(16)))
+    assert bm.can_allocate(a, 16)
+    assert not bm.can_allocate(a, 16, keep_watermark=True)
+
+
+def test_prefix_cache_shares_blocks_by_ref_count():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    shared = list(range(10, 18))  # two full blocks
+    a = req("a", shared + [1, 2])
+    bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    assert len(bm.cached) == 2
+    b = req("b", shared + [7])
+    hits = bm.find_cached_prefix(b)
+    assert hits == bm.block_table("a")[:2]
+    bm.allocate(b, 1, hits)
+    assert bm.blocks[hits[0]].ref_cnt == 2
+    bm.check_integrity()
+    bm.free(a)
+    assert bm.blocks[hits[0]].ref_cnt == 1
+    bm.free(b)
+    # Freed, but still findable: cached blocks count as free capacity.
+    assert bm.num_free_blocks == 8
+    assert bm.find_cached_prefix(req("c", shared + [5])) == hits
+    bm.check_integrity()
+
+
+def test_prefix_hit_never_covers_the_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = req("a", list(range(8)))
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    assert len(bm.find_cached_prefix(req("b", list(range(8))))) == 1
+
+
+def test_eviction_reuses_lru_cached_block_and_drops_its_hash():
+    bm = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
+    a = req("a", [1, 2, 3])
+    bm.allocate(a, 3)
+    a.num_computed_tokens = 3
+    bm.cache_full_blocks(a)
+    h = hash_block(None, (1, 2))
+    assert bm.cached == {h: 0}
+    bm.free(a)
+    b = req("b", [9, 9, 9, 9])
+    bm.allocate(b, 4)  # needs both blocks: evicts the cached one
+    assert h not in bm.cached
+    bm.check_integrity()
+
+
+def test_integrity_check_detects_corruption():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = req("a", [1, 2])
+    bm.allocate(a, 2)
+    bm.blocks[0].ref_cnt = 5
+    with pytest.raises(AssertionError):
+        bm.check_integrity()

@@ -1,0 +1,91 @@
+"""Model loading: sharded checkpoints load; each broken directory gets a clear error naming the
+file and the tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from steadylm.config import ModelConfig
+from steadylm.errors import ModelLoadError
+from steadylm.engine.request import SamplingParams
+from tests.conftest import engine_for, hf_greedy, make_hf_model
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = make_hf_model("llama", tie_word_embeddings=False)
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+def test_sharded_checkpoint_loads_and_matches(tmp_path):
+    model = make_hf_model("qwen3")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    prompt = [3, 4, 5, 6]
+    req = engine_for(str(tmp_path)).generate(
+        [prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert req.output_token_ids == hf_greedy(model, prompt, 16)
+
+
+def test_unknown_architecture(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM.*supported: LlamaForCausalLM"):
+        engine_for(str(path))
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json not found"):
+        ModelConfig.from_path(str(tmp_path))
+
+
+def test_missing_weights_file(saved):
+    _, path = saved
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no weights in"):
+        engine_for(str(path))
+
+
+def test_missing_shard(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"shard '{shard.name}'"):
+        engine_for(str(tmp_path))
+
+
+def test_missing_tensor_is_named(saved):
+    _, path = saved
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(shard 1\)"):
+        engine_for(str(path))
+
+
+def test_shape_mismatch_names_file_and_tensor(saved):
+    _, path = saved
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(5, 48)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor "
+                                             r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*\(5, 48\)"):
+        engine_for(str(path))
+
+
+def test_bfloat16_checkpoint_loads_in_requested_dtype(tmp_path):
+    model = make_hf_model("mistral").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    engine = engine_for(str(tmp_path), dtype="float32")
+    assert engine.dtype == torch.float32
+    engine16 = engine_for(str(tmp_path), dtype="bfloat16")
+    assert next(engine16.runner.model.parameters()).dtype == torch.bfloat16
+    shutil.rmtree(tmp_path)
