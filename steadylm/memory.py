@@ -67,7 +67,7 @@ def weight_bytes_from_config(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) ->
         per_layer += 2 * cfg.head_dim * dtype_bytes
     embed = cfg.vocab_size * c * dtype_bytes
     head = 0 if cfg.tie_word_embeddings else embed
-    return (cfg.num_layers * per_layer) // tp + embed + head + c * dtype_bytes
+    return (cfg.num_layers * per_layer + embed + head + c * dtype_bytes) // tp
 
 
 def awq_group_size(cfg: ModelConfig) -> int | None:
@@ -82,23 +82,24 @@ def activation_bytes(
 ) -> int:
     """Peak transient memory of one step of `num_tokens` tokens with the reference backend.
 
-    Counted: the residual stream and norm outputs, the fused qkv output, attention output, the
-    fused gate/up output and its activation, the attention workspace (K/V gathered for the
-    context, and fp32 scores of the query tile), and fp32 logits plus sampler copies for the rows
-    that sample (at most one per sequence, never one per prompt token).
+    Counted: the residual stream and norm outputs, the fused qkv output and attention output,
+    the fused gate/up output and its activation (or, when larger, the attention workspace: K and
+    V gathered for at most `workspace_tokens` padded context tokens, plus the boolean mask), and
+    fp32 logits with the sampler's copies for the rows that sample: at most one row per
+    sequence, never one per prompt token.
     """
+    from steadylm.attention.torch_ref import workspace_tokens
+
     t, c = num_tokens, cfg.hidden_size
     stream = 4 * t * c * dtype_bytes
     qkv = t * (cfg.q_size + 2 * cfg.kv_size) * dtype_bytes + t * cfg.q_size * dtype_bytes
     mlp = 3 * t * cfg.intermediate_size * dtype_bytes
-    tile = min(t, ATTN_QUERY_TILE)
-    attn = 2 * max_context * cfg.kv_size * dtype_bytes + cfg.num_heads * tile * max_context * 4
+    attn = 2 * workspace_tokens(max_context) * cfg.kv_size * dtype_bytes + t * max_context
     rows = min(max_batch_size, t)
     logits = 4 * rows * cfg.vocab_size * 4
     return stream + qkv + max(mlp, attn) + logits
 
 
-ATTN_QUERY_TILE = 1024
 MIN_BLOCKS = 16  # as LMDeploy: below this, max_prefill_token_num is halved
 MIN_PREFILL = 64
 
@@ -195,13 +196,16 @@ def plan_memory(
     dtype_bytes: int,
     weight_bytes: int | None = None,
     is_cpu: bool = False,
+    tp: int | None = None,
 ) -> MemoryPlan:
-    """Decide the KV pool for `ec` on `device`. Deterministic: the engine allocates exactly
+    """Decide the KV pool for `ec` on `device` (per device, for `tp` devices; the planner may
+    ask about tp > 1 though the engine runs tp=1). Deterministic: the engine allocates exactly
     `num_blocks` of the returned plan."""
     knob = check_knobs(ec)
+    tp = tp or ec.tp
     weights = weight_bytes if weight_bytes is not None else weight_bytes_from_config(
-        mc, dtype_bytes, ec.tp)
-    per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, ec.tp)
+        mc, dtype_bytes, tp)
+    per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
     notes: list[str] = []

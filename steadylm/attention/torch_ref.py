@@ -66,7 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, md: AttentionMetadata) -> None:
         for g in md.groups:
-            g.prepared = _prepare_group(g, md.block_size, md.sliding_window)
+            g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
         slots = md.slot_mapping
@@ -82,21 +82,25 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
         out = torch.empty_like(q)
         for g in md.groups:
-            p = g.prepared
-            k = _gather(cache, cache.k, cache.k_scale_zero, layer, p["kv_index"], q.dtype)
-            v = _gather(cache, cache.v, cache.v_scale_zero, layer, p["kv_index"], q.dtype)
-            qg = q[g.token_start : g.token_end]
-            if g.max_query_len == 1:
-                qp = qg.unsqueeze(1)  # (S, 1, H, D)
-            else:
-                qp = qg[p["q_index"]]  # (S, max_q, H, D)
-            o = F.scaled_dot_product_attention(
-                qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=p["mask"], scale=scale, enable_gqa=k.shape[2] != qp.shape[2],
-            ).transpose(1, 2)  # (S, max_q, H, D)
-            out[g.token_start : g.token_end] = o.reshape(-1, *o.shape[2:]) if g.max_query_len == 1 \
-                else o[p["q_valid"]]
+            for t in g.prepared["tiles"]:
+                k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["kv_index"], q.dtype)
+                v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["kv_index"], q.dtype)
+                qp = q[t["q_index"]]  # (S, Q, H, D)
+                o = F.scaled_dot_product_attention(
+                    qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    attn_mask=t["mask"], scale=scale, enable_gqa=k.shape[2] != qp.shape[2],
+                ).transpose(1, 2)  # (S, Q, H, D)
+                out[t["out_index"]] = o[t["q_valid"]]
         return out
+
+
+# Upper bound on padded context tokens gathered per attention call (S x max context). Bounds
+# the reference backend's workspace whatever the batch; one sequence always fits alone.
+ATTN_WORKSPACE_TOKENS = 32768
+
+
+def workspace_tokens(max_context: int) -> int:
+    return max(ATTN_WORKSPACE_TOKENS, max_context)
 
 
 def _gather(cache: KVCache, data, params, layer: int, kv_index, dtype) -> torch.Tensor:
@@ -108,21 +112,40 @@ def _gather(cache: KVCache, data, params, layer: int, kv_index, dtype) -> torch.
     return dequantize_kv(flat[kv_index], sz, cache.quant_policy).to(dtype)
 
 
-def _prepare_group(g: AttentionGroup, block_size: int, window: int | None) -> dict:
+def _tiles(g: AttentionGroup, block_size: int, window: int | None) -> list[dict]:
+    """Split a group into tiles of sequences with similar context lengths, so that the padded
+    gather (tile size x longest context) stays under the workspace bound."""
+    ctx = g.context_lens.tolist()
+    order = sorted(range(len(ctx)), key=ctx.__getitem__)
+    limit = workspace_tokens(max(ctx))
+    tiles, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * ctx[i] > limit:
+            tiles.append(current)
+            current = []
+        current.append(i)
+    tiles.append(current)
+    return [_prepare_tile(g, idx, block_size, window) for idx in tiles]
+
+
+def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: int | None) -> dict:
     device = g.block_tables.device
-    ctx = torch.arange(g.max_context_len, device=device)  # (C,)
-    blocks = g.block_tables.gather(1, (ctx // block_size).expand(g.block_tables.shape[0], -1))
+    sel = torch.tensor(seqs, device=device)
+    context_lens, query_lens = g.context_lens[sel], g.query_lens[sel]  # (S,)
+    tables = g.block_tables[sel]
+    max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
+    ctx = torch.arange(max_ctx, device=device)  # (C,)
+    blocks = tables.gather(1, (ctx // block_size).expand(len(seqs), -1))
     kv_index = blocks * block_size + ctx % block_size  # (S, C)
-    qpos = torch.arange(g.max_query_len, device=device)  # (Q,)
-    q_valid = qpos[None, :] < g.query_lens[:, None]  # (S, Q)
+    qpos = torch.arange(max_q, device=device)  # (Q,)
+    q_valid = qpos[None, :] < query_lens[:, None]  # (S, Q)
     # Absolute position of query t of sequence s: context_len - query_len + t.
-    abs_q = (g.context_lens - g.query_lens)[:, None] + qpos[None, :]  # (S, Q)
-    mask = (ctx[None, None, :] <= abs_q[:, :, None]) & (
-        ctx[None, None, :] < g.context_lens[:, None, None]
-    )  # (S, Q, C)
+    abs_q = (context_lens - query_lens)[:, None] + qpos[None, :]  # (S, Q)
+    mask = (ctx[None, None, :] <= abs_q[:, :, None]) & (ctx[None, None, :] < context_lens[:, None, None])
     if window is not None:
         mask &= ctx[None, None, :] > abs_q[:, :, None] - window
     mask |= ~q_valid[:, :, None] & (ctx == 0)  # padded queries see one key, so no NaN rows
-    starts = torch.cumsum(g.query_lens, 0) - g.query_lens  # (S,)
-    q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - g.token_start - 1)
-    return {"kv_index": kv_index, "mask": mask[:, None], "q_valid": q_valid, "q_index": q_index}
+    starts = g.token_start + (torch.cumsum(g.query_lens, 0) - g.query_lens)[sel]  # (S,)
+    q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - 1)  # (S, Q) flat ids
+    return {"kv_index": kv_index, "mask": mask[:, None], "q_valid": q_valid, "q_index": q_index,
+            "out_index": q_index[q_valid]}

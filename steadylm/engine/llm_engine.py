@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,14 @@ from steadylm.memory import MemoryPlan, plan_memory
 logger = logging.getLogger("steadylm")
 
 MAX_CONSECUTIVE_FAULTS = 3
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    num_seqs: int
+    num_tokens: int
+    kv_blocks_used: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._last_stats_log = time.monotonic()
+        self.step_log: deque[StepRecord] = deque(maxlen=100_000)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -170,18 +180,20 @@ class LLMEngine:
                 f"cache ({capacity} tokens). Raise the KV cache size or shorten the prompt.",
                 param="prompt")
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request now (its blocks are freed); return its final output, or None if it
+        is unknown or already finished."""
         req = self.scheduler.abort(request_id)
         if req is None:
-            return False
-        self.runner.sampler.release(request_id)
-        return True
+            return None
+        return self._outputs([req])[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
             sampled = self.runner.execute(out)
@@ -189,7 +201,10 @@ class LLMEngine:
             return self._on_fault(out, exc)
         self.consecutive_faults = 0
         self.num_generated_tokens += len(sampled)
+        used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
+        self.step_log.append(StepRecord(len(out.scheduled), out.num_tokens, used,
+                                        time.perf_counter() - t0))
         touched = [s.request for s in out.scheduled] + out.errored
         self._maybe_log_stats()
         return self._outputs(touched)

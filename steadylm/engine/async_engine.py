@@ -1,0 +1,160 @@
+"""A background loop around `LLMEngine` for concurrent callers (the pipeline and the server).
+
+One thread owns stepping. Callers add and abort requests under a lock (so a bad request raises
+in the caller's thread at once) and read their results from a per-request stream, from threads
+or from asyncio. If the loop itself dies, every open stream gets the error immediately and later
+calls raise `EngineDeadError` naming the cause: no caller is left waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+from steadylm.engine.llm_engine import LLMEngine
+from steadylm.engine.request import RequestOutput, SamplingParams
+from steadylm.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+_CLOSED = object()
+
+
+class RequestStream:
+    """Outputs of one request, readable by a thread (`__iter__`) or by asyncio (`__aiter__`)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._sync: queue.Queue = queue.Queue()
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+
+    def put(self, item: object) -> None:
+        if self._async is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed; nobody is listening
+                pass
+        else:
+            self._sync.put(item)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            item = self._sync.get()
+            if item is _CLOSED:
+                return
+            yield item
+            if item.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self._async is not None, "stream was opened without an event loop"
+        while True:
+            item = await self._async.get()
+            if item is _CLOSED:
+                return
+            yield item
+            if item.finished:
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self.dead_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="steadylm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- callers ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Raise RequestError for a request that can never run; otherwise return its stream."""
+        with self._wake:
+            self._check_alive()
+            rid = self.engine.add_request(prompt, params, request_id)
+            stream = RequestStream(rid, loop)
+            self._streams[rid] = stream
+            self._wake.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort now: the request's blocks are freed before this returns."""
+        with self._wake:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver([out])
+
+    def generate_sync(self, prompt, params: SamplingParams, request_id=None) -> Iterator[RequestOutput]:
+        yield from self.add_request(prompt, params, request_id)
+
+    async def generate(self, prompt, params: SamplingParams, request_id=None
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(prompt, params, request_id, asyncio.get_running_loop())
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if stream.request_id in self._streams:  # the caller went away early
+                self.abort(stream.request_id)
+
+    def stats(self):
+        with self._lock:
+            return self.engine.stats()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_error is None and self.engine.healthy
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.dead_error}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.engine.has_unfinished():
+                        self._wake.wait()
+                    if self._stopping:
+                        self._deliver(self.engine.abort_all())
+                        return
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # the loop itself broke: tell everyone, then stop
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("engine loop died")
+            with self._lock:
+                try:
+                    self._deliver(self.engine.abort_all(self.dead_error))
+                finally:
+                    for stream in self._streams.values():
+                        stream.put(_CLOSED)
+                    self._streams.clear()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]

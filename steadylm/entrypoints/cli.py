@@ -1,0 +1,131 @@
+"""`steadylm` command line: demo, generate, plan, serve, bench. Thin: every command calls the
+one engine API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from steadylm.config import EngineConfig
+from steadylm.errors import SteadyLMError
+
+ENGINE_FLAGS: list[tuple[str, dict]] = [
+    ("--dtype", dict(default="auto", help="auto (fp32 on CPU, the checkpoint's on CUDA), "
+                                          "float32, float16 or bfloat16")),
+    ("--device", dict(default="auto", help="auto, cpu or cuda")),
+    ("--tp", dict(type=int, default=1, help="tensor parallel degree (only 1 is supported)")),
+    ("--session-len", dict(type=int, default=None,
+                           help="max prompt + output tokens per request (default: the model's "
+                                "max_position_embeddings, lowered to the KV capacity)")),
+    ("--max-batch-size", dict(type=int, default=128, help="max running requests")),
+    ("--max-prefill-token-num", dict(type=int, default=4096,
+                                     help="token budget per step, prefill chunks and decodes")),
+    ("--block-size", dict(type=int, default=64, help="tokens per KV block (LMDeploy's "
+                                                     "cache_block_seq_len)")),
+    ("--enable-prefix-caching", dict(action="store_true", help="reuse KV of shared prefixes")),
+    ("--quant-policy", dict(type=int, default=0, choices=[0, 4, 8],
+                            help="KV cache: 0 model dtype, 8 int8, 4 int4")),
+    ("--cache-max-entry-count", dict(type=float, default=None,
+                                     help="LMDeploy: share of memory free after weights for KV")),
+    ("--gpu-memory-utilization", dict(type=float, default=None,
+                                      help="vLLM: share of total device memory for everything")),
+    ("--kv-cache-bytes", dict(type=int, default=None, help="absolute KV cache size in bytes")),
+    ("--max-total-tokens", dict(type=int, default=None, help="absolute KV capacity in tokens")),
+    ("--num-gpu-blocks", dict(type=int, default=0, help="absolute KV capacity in blocks")),
+    ("--seed", dict(type=int, default=0, help="seed for unseeded sampling")),
+]
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for flag, kw in ENGINE_FLAGS:
+        g.add_argument(flag, **kw)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS]
+    return EngineConfig(**{n: getattr(args, n) for n in names})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="steadylm", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a batch on a random-weight preset (or --model DIR)")
+    demo.add_argument("--model", default=None, help="a local HF model directory")
+    demo.add_argument("--preset", default=None, help="architecture preset for the random model")
+    demo.add_argument("--num-prompts", type=int, default=8)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--temperature", type=float, default=0.0)
+    add_engine_flags(demo)
+
+    gen = sub.add_parser("generate", help="generate from one prompt with a local model")
+    gen.add_argument("--model", required=True, help="a local HF model directory")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--random-seed", type=int, default=None)
+    add_engine_flags(gen)
+
+    from steadylm.entrypoints import plan_cli
+
+    plan_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except SteadyLMError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from steadylm.demo import DEFAULT_PRESET, run_demo
+
+    config = engine_config_from_args(args)
+    if args.model is None and not _budget_set(config):
+        config = config.replace(max_total_tokens=8192)  # a demo needs no 4 GiB pool
+    report = run_demo(args.model, config, args.preset or DEFAULT_PRESET, args.num_prompts,
+                      args.max_new_tokens, args.temperature)
+    print(report)
+    return 0
+
+
+def _budget_set(c: EngineConfig) -> bool:
+    return bool(c.num_gpu_blocks or c.max_total_tokens or c.kv_cache_bytes
+                or c.gpu_memory_utilization or c.cache_max_entry_count)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from steadylm.engine.llm_engine import LLMEngine
+    from steadylm.engine.request import SamplingParams
+    from steadylm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    engine = LLMEngine.from_pretrained(args.model, engine_config_from_args(args), tokenizer)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.random_seed)
+    req = engine.generate([args.prompt], params)[0]
+    print(args.prompt + tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
+    print(f"[{req.num_output_tokens} tokens, finish_reason={req.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _plan(args):
+    from steadylm.entrypoints import plan_cli
+
+    return plan_cli.run(args)
+
+
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "plan": _plan}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Tokenizer handling: loading, chat templates, duplicate-BOS repair, incremental detokenizing
+and stop strings that span token boundaries."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from steadylm.errors import ModelLoadError, RequestError
+
+logger = logging.getLogger("steadylm")
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in
+               ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise ModelLoadError(
+            f"no tokenizer in {path}: expected tokenizer.json or tokenizer.model "
+            "(pass token ids instead, or copy the tokenizer files next to config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+class PromptEncoder:
+    """Turns str / message lists into token ids, with the model's chat template. A template
+    that writes BOS as text plus a tokenizer that adds BOS gives two BOS tokens; one is dropped
+    and that is logged once per encoder, not once per request."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_id = getattr(tokenizer, "bos_token_id", None)
+        self.duplicate_bos_fixed = 0
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self._dedupe_bos(ids)
+
+    def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        _check_messages(messages)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template)
+        except ValueError as exc:  # no template
+            raise RequestError(f"cannot format messages: {exc}. Pass a chat_template.",
+                               param="messages") from exc
+        return self.encode_text(text)
+
+    def _dedupe_bos(self, ids: list[int]) -> list[int]:
+        if self.bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == self.bos_id:
+            if not self.duplicate_bos_fixed:
+                logger.warning(
+                    "the prompt starts with BOS twice (the chat template writes BOS and the "
+                    "tokenizer adds it again); dropping one. Logged once.")
+            self.duplicate_bos_fixed += 1
+            return ids[1:]
+        return ids
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} dicts",
+                           param="messages")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RequestError(f"each message needs 'role' and 'content'; got {m!r}",
+                               param="messages")
+
+
+class IncrementalDetokenizer:
+    """Streams text deltas that never end in a broken UTF-8 character and whose concatenation
+    equals the final text. Stop strings are matched on text, so they may span tokens."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, stop: list[str] | None = None
+                 ) -> None:
+        self.tokenizer = tokenizer
+        self.kw = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            self.kw["spaces_between_special_tokens"] = False
+        # Start from the prompt's last few tokens so a leading space decodes correctly.
+        self.ids = list(prompt_ids[-4:])
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""
+        self.emitted = 0
+        self.stop = [s for s in (stop or []) if s]
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids, **self.kw)
+        except TypeError:  # tokenizers without spaces_between_special_tokens
+            return self.tokenizer.decode(ids, skip_special_tokens=self.kw["skip_special_tokens"])
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Feed new tokens; return the new text (possibly empty). With stop strings, the last
+        len(stop) - 1 characters are held back until they cannot start a stop string, so the
+        streamed text always equals the final text. Pass final=True on the last call."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix : self.read])
+        full = self._decode(self.ids[self.prefix :])
+        if len(full) > len(before) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._emit(final)
+
+    def _emit(self, final: bool) -> str:
+        longest = max((len(s) for s in self.stop), default=0)
+        if self.stop:
+            start = max(0, self.emitted - longest)
+            hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = final = True
+        hold = 0 if final else max(0, longest - 1)
+        end = max(self.emitted, len(self.text) - hold)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta
