@@ -83,7 +83,9 @@ class ModelConfig:
             sliding = getattr(hf_config, "sliding_window", None)
         eos = (generation_config or {}).get("eos_token_id", hf_config.eos_token_id)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = getattr(hf_config, "dtype", None)
+        if dtype is None and not isinstance(getattr(type(hf_config), "torch_dtype", None), property):
+            dtype = getattr(hf_config, "torch_dtype", None)  # transformers < 4.56
         quant = getattr(hf_config, "quantization_config", None)
         if quant is not None and not isinstance(quant, dict):
             quant = quant.to_dict()

@@ -86,7 +86,10 @@ def engine_for(path: str, **kw):
     from steadylm.config import EngineConfig
     from steadylm.engine.llm_engine import LLMEngine
 
-    kw.setdefault("num_gpu_blocks", 128)
+    knobs = ("max_total_tokens", "kv_cache_bytes", "gpu_memory_utilization",
+             "cache_max_entry_count")
+    if not any(kw.get(k) for k in knobs):
+        kw.setdefault("num_gpu_blocks", 128)
     kw.setdefault("block_size", 4)
     return LLMEngine.from_pretrained(path, EngineConfig(**kw))
 
