@@ -49,19 +49,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def allocate(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
                  quant_policy=0) -> KVCache:
+        # Uninitialised on purpose: a slot is always written before any query can see it, and
+        # padded gather positions are clamped to written slots (see _prepare_tile). On CPU the
+        # pages then cost memory only once used.
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         if quant_policy == 0:
             return KVCache(
-                k=torch.zeros(*shape, head_dim, dtype=dtype, device=device),
-                v=torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+                k=torch.empty(*shape, head_dim, dtype=dtype, device=device),
+                v=torch.empty(*shape, head_dim, dtype=dtype, device=device),
             )
         width = head_dim if quant_policy == 8 else head_dim // 2
         return KVCache(
-            k=torch.zeros(*shape, width, dtype=torch.uint8, device=device),
-            v=torch.zeros(*shape, width, dtype=torch.uint8, device=device),
+            k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
+            v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
             quant_policy=quant_policy,
-            k_scale_zero=torch.zeros(*shape, 2, dtype=dtype, device=device),
-            v_scale_zero=torch.zeros(*shape, 2, dtype=dtype, device=device),
+            k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
+            v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
         )
 
     def prepare(self, md: AttentionMetadata) -> None:
@@ -135,8 +138,11 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     tables = g.block_tables[sel]
     max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
     ctx = torch.arange(max_ctx, device=device)  # (C,)
-    blocks = tables.gather(1, (ctx // block_size).expand(len(seqs), -1))
-    kv_index = blocks * block_size + ctx % block_size  # (S, C)
+    # Padding positions past a sequence's context read its last written slot instead of
+    # unwritten memory (which may hold NaN); the mask hides them either way.
+    pos = torch.minimum(ctx[None, :], (context_lens - 1)[:, None])  # (S, C)
+    blocks = tables.gather(1, pos // block_size)
+    kv_index = blocks * block_size + pos % block_size  # (S, C)
     qpos = torch.arange(max_q, device=device)  # (Q,)
     q_valid = qpos[None, :] < query_lens[:, None]  # (S, Q)
     # Absolute position of query t of sequence s: context_len - query_len + t.

@@ -15,24 +15,28 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 
 from steadylm.engine.llm_engine import LLMEngine
-from steadylm.engine.request import RequestOutput, SamplingParams
+from steadylm.engine.request import RequestOutput, RequestStatus, SamplingParams
 from steadylm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-_CLOSED = object()
+CLOSED = object()  # put on a stream when the loop dies, after the error output
 
 
 class RequestStream:
     """Outputs of one request, readable by a thread (`__iter__`) or by asyncio (`__aiter__`)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
+                 sink: queue.Queue | None = None) -> None:
         self.request_id = request_id
         self._loop = loop
+        self._sink = sink  # a queue shared by several streams gets (request_id, item) pairs
         self._sync: queue.Queue = queue.Queue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
 
     def put(self, item: object) -> None:
-        if self._async is not None:
+        if self._sink is not None:
+            self._sink.put((self.request_id, item))
+        elif self._async is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, item)
             except RuntimeError:  # the caller's event loop is closed; nobody is listening
@@ -43,7 +47,7 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             item = self._sync.get()
-            if item is _CLOSED:
+            if item is CLOSED:
                 return
             yield item
             if item.finished:
@@ -53,7 +57,7 @@ class RequestStream:
         assert self._async is not None, "stream was opened without an event loop"
         while True:
             item = await self._async.get()
-            if item is _CLOSED:
+            if item is CLOSED:
                 return
             yield item
             if item.finished:
@@ -78,20 +82,22 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
     ) -> RequestStream:
         """Raise RequestError for a request that can never run; otherwise return its stream."""
         with self._wake:
             self._check_alive()
             rid = self.engine.add_request(prompt, params, request_id)
-            stream = RequestStream(rid, loop)
+            stream = RequestStream(rid, loop, sink)
             self._streams[rid] = stream
             self._wake.notify()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort now: the request's blocks are freed before this returns."""
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+              ) -> None:
+        """End a request now: its blocks are freed before this returns."""
         with self._wake:
-            out = self.engine.abort(request_id)
+            out = self.engine.abort(request_id, status)
             if out is not None:
                 self._deliver([out])
 
@@ -147,7 +153,7 @@ class AsyncEngine:
                     self._deliver(self.engine.abort_all(self.dead_error))
                 finally:
                     for stream in self._streams.values():
-                        stream.put(_CLOSED)
+                        stream.put(CLOSED)
                     self._streams.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -180,10 +180,12 @@ class LLMEngine:
                 f"cache ({capacity} tokens). Raise the KV cache size or shorten the prompt.",
                 param="prompt")
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a request now (its blocks are freed); return its final output, or None if it
-        is unknown or already finished."""
-        req = self.scheduler.abort(request_id)
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> RequestOutput | None:
+        """End a request now (its blocks are freed): aborted, or stopped (a stop string seen
+        by the caller). Return its final output, or None if it is unknown or finished."""
+        req = self.scheduler.abort(request_id, status)
         if req is None:
             return None
         return self._outputs([req])[0]
@@ -230,7 +232,8 @@ class LLMEngine:
                 num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                 finished=req.is_finished, finish_reason=req.finish_reason, error=req.error,
                 new_logprobs=req.output_logprobs[done:], num_cached_tokens=req.num_cached_tokens,
-                num_preemptions=req.num_preemptions,
+                num_preemptions=req.num_preemptions, arrival_time=req.arrival_time,
+                first_token_time=req.first_token_time, finish_time=req.finish_time,
             ))
             self._reported[req.request_id] = req.num_output_tokens
             if req.is_finished:

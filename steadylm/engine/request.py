@@ -184,3 +184,6 @@ class RequestOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from steadylm.engine.request import SamplingParams
 from tests.conftest import engine_for, run_to_end
@@ -82,3 +83,21 @@ def test_abort_frees_blocks_at_once(model_dirs):
     run_to_end(engine)
     assert engine.block_manager.num_used_blocks == 0
     assert b not in engine.requests
+
+
+@pytest.mark.parametrize("quant_policy", [0, 8])
+def test_unwritten_cache_memory_is_never_read(model_dirs, quant_policy):
+    """The pool is allocated uninitialised; fill it with NaN and batch sequences of very
+    different lengths: padded positions must never reach the output."""
+    _, path = model_dirs("llama")
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = [engine_for(path, quant_policy=quant_policy).generate([p], params)[0]
+                .output_token_ids for p in ps]
+    engine = engine_for(path, quant_policy=quant_policy)
+    for t in (engine.kv_cache.k, engine.kv_cache.v, engine.kv_cache.k_scale_zero,
+              engine.kv_cache.v_scale_zero):
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)  # NaN in every float format
+    reqs = engine.generate(ps, params)
+    assert [r.output_token_ids for r in reqs] == expected
