@@ -26,6 +26,11 @@ def load_tokenizer(path: str) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
 
 
+# For tokenizers without a chat template: the messages' contents, one per line.
+PLAIN_TEMPLATE = ("{% for m in messages %}{% if not loop.first %}\n{% endif %}"
+                  "{{ m['content'] }}{% endfor %}")
+
+
 class PromptEncoder:
     """Turns str / message lists into token ids, with the model's chat template. A template
     that writes BOS as text plus a tokenizer that adds BOS gives two BOS tokens; one is dropped
@@ -36,6 +41,7 @@ class PromptEncoder:
         self.chat_template = chat_template
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.duplicate_bos_fixed = 0
+        self.plain_template_used = False
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -43,12 +49,19 @@ class PromptEncoder:
 
     def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         _check_messages(messages)
+        template = self.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
+            if not self.plain_template_used:
+                logger.warning("the tokenizer has no chat template; joining message contents "
+                               "with newlines (pass chat_template_config to set one)")
+            self.plain_template_used = True
+            template = PLAIN_TEMPLATE
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template)
-        except ValueError as exc:  # no template
-            raise RequestError(f"cannot format messages: {exc}. Pass a chat_template.",
+                chat_template=template)
+        except Exception as exc:  # a template that raises on these messages
+            raise RequestError(f"the chat template failed on these messages: {exc}",
                                param="messages") from exc
         return self.encode_text(text)
 

@@ -1,0 +1,106 @@
+"""Sampling against exact distributions on fixed logits, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from steadylm.engine.request import Request, SamplingParams
+from steadylm.engine.sampler import Sampler, filter_probs
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+N = 20_000
+
+
+def exact(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The reference distribution, the slow obvious way, with HF's warper order: temperature,
+    top-k, then top-p on what top-k kept (renormalised), then min-p."""
+    p = torch.softmax(LOGITS / temperature, dim=-1).tolist()
+    ranked = sorted(range(len(p)), key=lambda i: -p[i])
+    kept = ranked[:top_k] if top_k else ranked
+    total = sum(p[i] for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if nucleus and mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += p[i] / total
+    final = [i for i in nucleus if p[i] >= min_p * p[ranked[0]]]
+    q = torch.zeros(len(p))
+    for i in final:
+        q[i] = p[i]
+    return q / q.sum()
+
+
+def draw(params: SamplingParams, n: int = N) -> torch.Tensor:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    reqs = [Request(f"r{i}", [1], params) for i in range(n)]
+    out = sampler(LOGITS.repeat(n, 1), reqs)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=len(LOGITS)).float() / n
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.7),
+    dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.8),
+    dict(temperature=0.8, top_p=0.8, top_k=40), dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.05),
+])
+def test_empirical_distribution_matches_exact(kw):
+    want = exact(**kw)
+    got = draw(SamplingParams(**kw))
+    sigma = torch.sqrt(want * (1 - want) / N)
+    assert torch.all((got - want).abs() <= 5 * sigma + 1e-9), (got, want)
+    assert torch.all(got[want == 0] == 0)  # filtered tokens are never drawn
+
+
+def test_filter_probs_matches_reference_exactly():
+    for kw in [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=4, top_p=0.95)]:
+        full = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | kw
+        got = filter_probs(LOGITS[None], torch.tensor([full["top_k"]]),
+                           torch.tensor([full["top_p"]]), torch.tensor([full["min_p"]]))[0]
+        torch.testing.assert_close(got, exact(**full))
+
+
+def test_greedy_is_argmax():
+    sampler = Sampler(torch.device("cpu"))
+    out = sampler(LOGITS[None], [Request("g", [1], SamplingParams())])
+    assert out.token_ids == [0]
+
+
+def test_seeded_row_does_not_depend_on_the_batch():
+    params = SamplingParams(temperature=1.0, seed=42)
+    alone = [Sampler(torch.device("cpu"))(LOGITS[None], [Request("a", [1], params)]).token_ids[0]
+             for _ in range(1)]
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    others = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(5)]
+    target = Request("a", [1], params)
+    seq_alone, seq_mixed = [], []
+    s_alone = Sampler(torch.device("cpu"))
+    for step in range(30):
+        seq_alone.append(s_alone(LOGITS[None], [target]).token_ids[0])
+        batch = others[: step % 5] + [target] + others[step % 5:]
+        out = sampler(LOGITS.repeat(len(batch), 1), batch)
+        seq_mixed.append(out.token_ids[batch.index(target)])
+    assert seq_alone == seq_mixed
+    assert seq_alone[0] == alone[0]
+    assert len(set(seq_alone)) > 1  # it really samples
+
+
+def test_bans_penalties_and_min_new_tokens():
+    sampler = Sampler(torch.device("cpu"))
+    r = Request("b", [1], SamplingParams(bad_token_ids=(0,)))
+    assert sampler(LOGITS[None], [r]).token_ids == [1]
+    r = Request("m", [1], SamplingParams(min_new_tokens=2), eos_token_ids=(0,))
+    assert sampler(LOGITS[None], [r]).token_ids == [1]
+    r = Request("p", [0], SamplingParams(repetition_penalty=10.0))  # token 0 seen: 2.0 / 10
+    assert sampler(LOGITS[None], [r]).token_ids == [1]
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    sampler = Sampler(torch.device("cpu"))
+    out = sampler(LOGITS[None], [Request("l", [1], SamplingParams(logprobs=2))])
+    lp = torch.log_softmax(LOGITS, -1)
+    assert set(out.logprobs[0]) == {0, 1}
+    assert math.isclose(out.logprobs[0][1], float(lp[1]), rel_tol=1e-6)

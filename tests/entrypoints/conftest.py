@@ -1,0 +1,50 @@
+"""A tiny random Qwen2 model carrying the real DeepSeek-R1-Distill-Qwen tokenizer and chat
+template (whose template writes BOS while the tokenizer adds BOS too)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import TOKENIZERS
+
+
+def shape_for_quick_eos(model, eos_id: int, eos_logit: float) -> None:
+    """Make the random model's next-token distribution fixed and give EOS a known share, so a
+    30000-token request ends after a few dozen sampled tokens (a random model never would).
+    The residual stream's last dimension is a constant the layers cannot change, the final norm
+    keeps only it, and so logits = lm_head[:, -1] * constant."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, -1] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[-1].zero_()
+            layer.mlp.down_proj.weight[-1].zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[-1] = 1.0
+        head = torch.randn(model.lm_head.weight.shape[0]) * 0.05
+        head[eos_id] = eos_logit
+        model.lm_head.weight[:, -1] = head
+
+
+@pytest.fixture(scope="session")
+def qwen_dsr1_dir(tmp_path_factory):
+    import transformers as tf
+
+    src = TOKENIZERS / "deepseek-r1-distill-qwen"
+    if not src.is_dir():
+        pytest.skip(f"../shared is absent ({src} not found)")
+    tok = tf.AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    shape_for_quick_eos(model, tok.eos_token_id, eos_logit=0.3)
+    path = tmp_path_factory.mktemp("qwen2-dsr1")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, path / f)
+    return str(path)
