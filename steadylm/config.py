@@ -36,7 +36,9 @@ def parse_dtype(name: str | torch.dtype, field_name: str = "dtype") -> torch.dty
         return DTYPES[str(name).lower()]
     except KeyError:
         choices = ", ".join(sorted({"auto", "float32", "float16", "bfloat16"}))
-        raise ConfigError(f"{field_name}={name!r} is not supported; choose one of {choices}") from None
+        raise ConfigError(
+            f"{field_name}={name!r} is not supported; choose one of {choices}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,9 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, generation_config: dict | None = None) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
-            raise ModelLoadError("config.json has no 'architectures' entry; cannot pick a model class")
+            raise ModelLoadError(
+                "config.json has no 'architectures' entry; cannot pick a model class"
+            )
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         sliding = None
@@ -84,7 +88,9 @@ class ModelConfig:
         eos = (generation_config or {}).get("eos_token_id", hf_config.eos_token_id)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = getattr(hf_config, "dtype", None)
-        if dtype is None and not isinstance(getattr(type(hf_config), "torch_dtype", None), property):
+        if dtype is None and not isinstance(
+            getattr(type(hf_config), "torch_dtype", None), property
+        ):
             dtype = getattr(hf_config, "torch_dtype", None)  # transformers < 4.56
         quant = getattr(hf_config, "quantization_config", None)
         if quant is not None and not isinstance(quant, dict):
@@ -161,7 +167,9 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        _check(self.tp == 1, "tp", f"tp={self.tp}: tensor parallelism is not supported yet; use tp=1")
+        _check(
+            self.tp == 1, "tp", f"tp={self.tp}: tensor parallelism is not supported yet; use tp=1"
+        )
         _check_positive(self, "max_batch_size", "max_prefill_token_num", "block_size")
         if self.session_len is not None:
             _check_positive(self, "session_len")
@@ -201,4 +209,6 @@ def _check(ok: bool, name: str, message: str) -> None:
 def _check_positive(cfg: Any, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        _check(isinstance(value, int) and value > 0, name, f"{name}={value!r} must be a positive int")
+        _check(
+            isinstance(value, int) and value > 0, name, f"{name}={value!r} must be a positive int"
+        )

@@ -18,15 +18,33 @@ from steadylm.config import EngineConfig, ModelConfig
 # Shapes of real models (hidden, intermediate, layers, heads, kv heads). The vocabulary is the
 # on-the-fly tokenizer's, since no real tokenizer ships with a fresh machine.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=256,
-                       intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2),
-    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                         hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2),
-    "llama-110m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=768,
-                       intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                       num_key_value_heads=4),
+    "tiny-qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "llama-110m": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
 }
 DEFAULT_PRESET = "tiny-qwen2"
 
@@ -38,8 +56,14 @@ would fit before they left home, and it kept its promise. Quantized caches held 
 times as many tokens; prefix caches remembered the stories they had already read."""
 
 STORY_PROMPTS = [
-    "Once upon a time", "Lily went to the park", "The little dog", "One day, Tom found",
-    "There was a big tree", "Sam and Mia", "The sun was shining", "A cat named Tom",
+    "Once upon a time",
+    "Lily went to the park",
+    "The little dog",
+    "One day, Tom found",
+    "There was a big tree",
+    "Sam and Mia",
+    "The sun was shining",
+    "A cat named Tom",
 ]
 
 
@@ -51,9 +75,12 @@ def build_tokenizer(vocab_size: int = 1024) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([CORPUS] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
@@ -64,9 +91,15 @@ def preset_config(preset: str, vocab_size: int, max_position_embeddings: int = 4
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     kw = dict(PRESETS[preset])
-    return AutoConfig.for_model(kw.pop("model_type"), vocab_size=vocab_size,
-                                max_position_embeddings=max_position_embeddings,
-                                bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, **kw)
+    return AutoConfig.for_model(
+        kw.pop("model_type"),
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+        **kw,
+    )
 
 
 def build_random_model(hf_config: Any, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -114,9 +147,14 @@ class DemoReport:
         return "\n".join(lines)
 
 
-def run_demo(model_dir: str | None, config: EngineConfig, preset: str = DEFAULT_PRESET,
-             num_prompts: int = 8, max_new_tokens: int = 64, temperature: float = 0.0
-             ) -> DemoReport:
+def run_demo(
+    model_dir: str | None,
+    config: EngineConfig,
+    preset: str = DEFAULT_PRESET,
+    num_prompts: int = 8,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+) -> DemoReport:
     from steadylm.engine.llm_engine import LLMEngine
     from steadylm.engine.request import SamplingParams
     from steadylm.tokenizer import load_tokenizer
@@ -129,18 +167,29 @@ def run_demo(model_dir: str | None, config: EngineConfig, preset: str = DEFAULT_
         model = build_random_model(preset_config(preset, len(tokenizer)))
         engine = LLMEngine.from_model(model, config, tokenizer)
     prompts = [STORY_PROMPTS[i % len(STORY_PROMPTS)] for i in range(num_prompts)]
-    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=0.9 if temperature else 1.0, seed=i,
-                             ignore_eos=model_dir is None) for i in range(num_prompts)]
+    params = [
+        SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=0.9 if temperature else 1.0,
+            seed=i,
+            ignore_eos=model_dir is None,
+        )
+        for i in range(num_prompts)
+    ]
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0
     log = [r for r in engine.step_log if r.num_seqs]
     return DemoReport(
-        seconds=seconds, prompt_tokens=sum(r.num_prompt_tokens for r in reqs),
-        output_tokens=sum(r.num_output_tokens for r in reqs), steps=len(log),
-        max_batch=max(r.num_seqs for r in log), mean_batch=sum(r.num_seqs for r in log) / len(log),
-        peak_kv_blocks=max(r.kv_blocks_used for r in log), kv_blocks=engine.plan.num_blocks,
+        seconds=seconds,
+        prompt_tokens=sum(r.num_prompt_tokens for r in reqs),
+        output_tokens=sum(r.num_output_tokens for r in reqs),
+        steps=len(log),
+        max_batch=max(r.num_seqs for r in log),
+        mean_batch=sum(r.num_seqs for r in log) / len(log),
+        peak_kv_blocks=max(r.kv_blocks_used for r in log),
+        kv_blocks=engine.plan.num_blocks,
         preemptions=engine.stats().num_preemptions,
         texts=[tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in reqs],
     )

@@ -33,7 +33,9 @@ def safetensors_files(model_dir: str) -> list[str]:
         files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.isfile(os.path.join(model_dir, name)):
-                raise ModelLoadError(f"{index} lists shard {name!r}, which is missing from {model_dir}")
+                raise ModelLoadError(
+                    f"{index} lists shard {name!r}, which is missing from {model_dir}"
+                )
         return [os.path.join(model_dir, name) for name in files]
     single = os.path.join(model_dir, SINGLE_FILE)
     if os.path.isfile(single):
@@ -86,7 +88,9 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     return model.eval()
 
 
-def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(
+    model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     model = create_model(cfg, dtype, device)
     load_weights(model, safetensors_files(model_dir), cfg)
     return model
@@ -114,8 +118,10 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
     missing = sorted(f"{n} (shard {s})" if s is not None else n for n, s in expected - loaded)
     if missing:
         names = ", ".join(os.path.basename(f) for f in files)
-        raise ModelLoadError(f"tensors missing from {names}: {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ModelLoadError(
+            f"tensors missing from {names}: {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
 
 
 def _map_name(model: nn.Module, name: str) -> tuple[str, int | None]:
@@ -139,8 +145,18 @@ def _expected_loads(model: nn.Module, params: dict, cfg: ModelConfig) -> set[tup
     return expected
 
 
-_HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                       "I8": 1, "U8": 1, "BOOL": 1}
+_HEADER_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def weight_bytes_from_files(files: list[str], dtype: torch.dtype) -> int:

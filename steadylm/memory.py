@@ -151,14 +151,23 @@ class MemoryPlan:
 
     def table(self) -> str:
         rows = [
-            ("device", f"{self.device} ({fmt_bytes(self.device_total_bytes)} total, "
-                       f"{fmt_bytes(self.device_free_bytes)} free)"),
+            (
+                "device",
+                f"{self.device} ({fmt_bytes(self.device_total_bytes)} total, "
+                f"{fmt_bytes(self.device_free_bytes)} free)",
+            ),
             ("budget from", self.budget_source),
             ("weights", fmt_bytes(self.weight_bytes)),
-            ("activation reserve", f"{fmt_bytes(self.activation_bytes)} "
-                                   f"(max_prefill_token_num={self.max_prefill_token_num})"),
+            (
+                "activation reserve",
+                f"{fmt_bytes(self.activation_bytes)} "
+                f"(max_prefill_token_num={self.max_prefill_token_num})",
+            ),
             ("KV cache", fmt_bytes(self.kv_cache_bytes)),
-            ("KV bytes per token", f"{self.kv_bytes_per_token:,} (quant_policy={self.quant_policy})"),
+            (
+                "KV bytes per token",
+                f"{self.kv_bytes_per_token:,} (quant_policy={self.quant_policy})",
+            ),
             ("KV blocks", f"{self.num_blocks:,} x {self.block_size} tokens"),
             ("KV capacity", f"{self.total_tokens:,} tokens"),
             ("session_len", f"{self.session_len:,}"),
@@ -203,8 +212,9 @@ def plan_memory(
     `num_blocks` of the returned plan."""
     knob = check_knobs(ec)
     tp = tp or ec.tp
-    weights = weight_bytes if weight_bytes is not None else weight_bytes_from_config(
-        mc, dtype_bytes, tp)
+    weights = (
+        weight_bytes if weight_bytes is not None else weight_bytes_from_config(mc, dtype_bytes, tp)
+    )
     per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
@@ -243,12 +253,21 @@ def plan_memory(
         )
         session_len = capacity
     return MemoryPlan(
-        device=device.name, device_total_bytes=device.total_bytes,
-        device_free_bytes=device.free_bytes, budget_source=source, weight_bytes=weights,
-        activation_bytes=act, kv_cache_bytes=num_blocks * block_bytes,
-        kv_bytes_per_token=per_token, block_size=ec.block_size, num_blocks=num_blocks,
-        max_prefill_token_num=n, session_len=session_len,
-        max_batch_size=ec.max_batch_size, quant_policy=ec.quant_policy, notes=notes,
+        device=device.name,
+        device_total_bytes=device.total_bytes,
+        device_free_bytes=device.free_bytes,
+        budget_source=source,
+        weight_bytes=weights,
+        activation_bytes=act,
+        kv_cache_bytes=num_blocks * block_bytes,
+        kv_bytes_per_token=per_token,
+        block_size=ec.block_size,
+        num_blocks=num_blocks,
+        max_prefill_token_num=n,
+        session_len=session_len,
+        max_batch_size=ec.max_batch_size,
+        quant_policy=ec.quant_policy,
+        notes=notes,
     )
 
 
@@ -263,15 +282,21 @@ def _kv_budget(ec, knob, device: DeviceMemory, weights, act, block_bytes, is_cpu
     if knob == "gpu_memory_utilization":
         u = ec.gpu_memory_utilization
         kv = int(device.total_bytes * u) - weights - act
-        return kv, (f"gpu_memory_utilization={u}: {u} x {fmt_bytes(device.total_bytes)} "
-                    "- weights - activations")
+        return kv, (
+            f"gpu_memory_utilization={u}: {u} x {fmt_bytes(device.total_bytes)} "
+            "- weights - activations"
+        )
     ratio = ec.cache_max_entry_count or LMDEPLOY_DEFAULT_RATIO
     kv = int((device.free_bytes - weights - act) * ratio)
-    src = (f"cache_max_entry_count={ratio}: {ratio} x ({fmt_bytes(device.free_bytes)} free "
-           "- weights - activations)")
+    src = (
+        f"cache_max_entry_count={ratio}: {ratio} x ({fmt_bytes(device.free_bytes)} free "
+        "- weights - activations)"
+    )
     if knob is None and is_cpu and kv > CPU_DEFAULT_KV_BYTES:
-        return CPU_DEFAULT_KV_BYTES, "CPU default: 4 GiB (set kv_cache_bytes or " \
-                                     "cache_max_entry_count to change)"
+        return (
+            CPU_DEFAULT_KV_BYTES,
+            "CPU default: 4 GiB (set kv_cache_bytes or cache_max_entry_count to change)",
+        )
     return kv, src
 
 

@@ -17,8 +17,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available; use device='cpu'",
-                          param="device")
+        raise ConfigError(
+            f"device={name!r} but CUDA is not available; use device='cpu'", param="device"
+        )
     return dev
 
 

@@ -15,11 +15,14 @@ logger = logging.getLogger("steadylm")
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    if not any(os.path.isfile(os.path.join(path, f)) for f in
-               ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    if not any(
+        os.path.isfile(os.path.join(path, f))
+        for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    ):
         raise ModelLoadError(
             f"no tokenizer in {path}: expected tokenizer.json or tokenizer.model "
-            "(pass token ids instead, or copy the tokenizer files next to config.json)")
+            "(pass token ids instead, or copy the tokenizer files next to config.json)"
+        )
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -27,8 +30,9 @@ def load_tokenizer(path: str) -> Any:
 
 
 # For tokenizers without a chat template: the messages' contents, one per line.
-PLAIN_TEMPLATE = ("{% for m in messages %}{% if not loop.first %}\n{% endif %}"
-                  "{{ m['content'] }}{% endfor %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{% if not loop.first %}\n{% endif %}{{ m['content'] }}{% endfor %}"
+)
 
 
 class PromptEncoder:
@@ -47,22 +51,30 @@ class PromptEncoder:
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return self._dedupe_bos(ids)
 
-    def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
         _check_messages(messages)
         template = self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             if not self.plain_template_used:
-                logger.warning("the tokenizer has no chat template; joining message contents "
-                               "with newlines (pass chat_template_config to set one)")
+                logger.warning(
+                    "the tokenizer has no chat template; joining message contents "
+                    "with newlines (pass chat_template_config to set one)"
+                )
             self.plain_template_used = True
             template = PLAIN_TEMPLATE
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=template)
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+            )
         except Exception as exc:  # a template that raises on these messages
-            raise RequestError(f"the chat template failed on these messages: {exc}",
-                               param="messages") from exc
+            raise RequestError(
+                f"the chat template failed on these messages: {exc}", param="messages"
+            ) from exc
         return self.encode_text(text)
 
     def _dedupe_bos(self, ids: list[int]) -> list[int]:
@@ -70,7 +82,8 @@ class PromptEncoder:
             if not self.duplicate_bos_fixed:
                 logger.warning(
                     "the prompt starts with BOS twice (the chat template writes BOS and the "
-                    "tokenizer adds it again); dropping one. Logged once.")
+                    "tokenizer adds it again); dropping one. Logged once."
+                )
             self.duplicate_bos_fixed += 1
             return ids[1:]
         return ids
@@ -78,21 +91,28 @@ class PromptEncoder:
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {role, content} dicts",
-                           param="messages")
+        raise RequestError(
+            "messages must be a non-empty list of {role, content} dicts", param="messages"
+        )
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise RequestError(f"each message needs 'role' and 'content'; got {m!r}",
-                               param="messages")
+            raise RequestError(
+                f"each message needs 'role' and 'content'; got {m!r}", param="messages"
+            )
 
 
 class IncrementalDetokenizer:
     """Streams text deltas that never end in a broken UTF-8 character and whose concatenation
     equals the final text. Stop strings are matched on text, so they may span tokens."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, stop: list[str] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.kw = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:
@@ -122,7 +142,7 @@ class IncrementalDetokenizer:
         before = self._decode(self.ids[self.prefix : self.read])
         full = self._decode(self.ids[self.prefix :])
         if len(full) > len(before) and (final or not full.endswith("\ufffd")):
-            self.text += full[len(before):]
+            self.text += full[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
         return self._emit(final)
 

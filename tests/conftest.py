@@ -18,9 +18,16 @@ needs_shared = pytest.mark.skipif(
 )
 
 TINY = dict(
-    vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    initializer_range=0.2, rms_norm_eps=1e-6,
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
 )
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
 
@@ -34,9 +41,14 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
         cfg = tf.LlamaConfig(**{"tie_word_embeddings": True, **kw})
         cls = tf.LlamaForCausalLM
     elif arch == "llama3":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                "rope_theta": 500000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         cfg = tf.LlamaConfig(rope_scaling=rope, **kw)
         cls = tf.LlamaForCausalLM
     elif arch == "qwen2":
@@ -54,7 +66,11 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     if arch == "qwen2":  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     return model
 
@@ -77,17 +93,27 @@ def model_dirs(tmp_path_factory):
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=n,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def engine_for(path: str, **kw):
     from steadylm.config import EngineConfig
     from steadylm.engine.llm_engine import LLMEngine
 
-    knobs = ("max_total_tokens", "kv_cache_bytes", "gpu_memory_utilization",
-             "cache_max_entry_count")
+    knobs = (
+        "max_total_tokens",
+        "kv_cache_bytes",
+        "gpu_memory_utilization",
+        "cache_max_entry_count",
+    )
     if not any(kw.get(k) for k in knobs):
         kw.setdefault("num_gpu_blocks", 128)
     kw.setdefault("block_size", 4)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steadylm.config import ModelConfig
-from steadylm.errors import ModelLoadError
 from steadylm.engine.request import SamplingParams
+from steadylm.errors import ModelLoadError
 from tests.conftest import engine_for, hf_greedy, make_hf_model
 
 
@@ -29,7 +29,8 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists()
     prompt = [3, 4, 5, 6]
     req = engine_for(str(tmp_path)).generate(
-        [prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+        [prompt], SamplingParams(max_new_tokens=16, ignore_eos=True)
+    )[0]
     assert req.output_token_ids == hf_greedy(model, prompt, 16)
 
 
@@ -67,7 +68,9 @@ def test_missing_tensor_is_named(saved):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(shard 1\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(shard 1\)"
+    ):
         engine_for(str(path))
 
 
@@ -76,8 +79,11 @@ def test_shape_mismatch_names_file_and_tensor(saved):
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(5, 48)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor "
-                                             r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*\(5, 48\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"model\.safetensors: tensor "
+        r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*\(5, 48\)",
+    ):
         engine_for(str(path))
 
 

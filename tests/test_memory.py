@@ -12,12 +12,20 @@ import pytest
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.errors import ConfigError, OutOfMemoryPlanError
 from steadylm.memory import (
-    GiB, DeviceMemory, check_knobs, kv_bytes_per_token, plan_memory, weight_bytes_from_config,
+    DeviceMemory,
+    GiB,
+    check_knobs,
+    kv_bytes_per_token,
+    plan_memory,
+    weight_bytes_from_config,
 )
 from tests.conftest import MODEL_CONFIGS, engine_for, needs_shared
 
-CONFIGS = sorted(p.stem for p in MODEL_CONFIGS.glob("*.json")
-                 if p.stem not in ("gpus", "sizes") and "generation_config" not in p.stem)
+CONFIGS = sorted(
+    p.stem
+    for p in MODEL_CONFIGS.glob("*.json")
+    if p.stem not in ("gpus", "sizes") and "generation_config" not in p.stem
+)
 GPU24 = DeviceMemory("24 GiB test device", 24 * GiB, 24 * GiB - (512 << 20))
 
 
@@ -51,15 +59,19 @@ def test_weight_bytes_equal_published_sizes():
 
 
 @needs_shared
-@pytest.mark.parametrize("knob,value,expected_tokens", [
-    ("num_gpu_blocks", 100, 6400),
-    ("max_total_tokens", 10_000, 10_048),  # rounded up to whole blocks
-    ("kv_cache_bytes", 1 * GiB, (GiB // (262_144 * 64)) * 64),
-])
+@pytest.mark.parametrize(
+    "knob,value,expected_tokens",
+    [
+        ("num_gpu_blocks", 100, 6400),
+        ("max_total_tokens", 10_000, 10_048),  # rounded up to whole blocks
+        ("kv_cache_bytes", 1 * GiB, (GiB // (262_144 * 64)) * 64),
+    ],
+)
 def test_absolute_knobs(knob, value, expected_tokens):
     mc = cfg("DeepSeek-R1-Distill-Qwen-32B")
-    plan = plan_memory(mc, EngineConfig(**{knob: value}), DeviceMemory("big", 200 * GiB,
-                                                                        200 * GiB), 2)
+    plan = plan_memory(
+        mc, EngineConfig(**{knob: value}), DeviceMemory("big", 200 * GiB, 200 * GiB), 2
+    )
     assert plan.total_tokens == expected_tokens
     assert plan.budget_source.startswith(knob)
 
@@ -75,8 +87,9 @@ def test_share_knobs_follow_vllm_and_lmdeploy_meanings():
     util = plan_memory(mc, ec.replace(gpu_memory_utilization=0.5), GPU24, 2)
     # vLLM: 0.5 of *total* covers weights + activations + KV.
     assert util.weight_bytes + util.activation_bytes + util.kv_cache_bytes <= 12 * GiB
-    assert 12 * GiB - (util.weight_bytes + util.activation_bytes + util.kv_cache_bytes) \
-        < 64 * kv_bytes_per_token(mc, 0, 2)  # less than one block left unused
+    assert 12 * GiB - (
+        util.weight_bytes + util.activation_bytes + util.kv_cache_bytes
+    ) < 64 * kv_bytes_per_token(mc, 0, 2)  # less than one block left unused
     lmd = plan_memory(mc, ec.replace(cache_max_entry_count=0.5), GPU24, 2)
     # LMDeploy: 0.5 of what is free after weights (and the activation reserve).
     free_after = GPU24.free_bytes - weights - lmd.activation_bytes
@@ -86,18 +99,29 @@ def test_share_knobs_follow_vllm_and_lmdeploy_meanings():
 
 
 def test_two_knobs_conflict_and_the_error_says_which_to_drop():
-    with pytest.raises(ConfigError, match="gpu_memory_utilization and cache_max_entry_count"
-                                          ".*drop cache_max_entry_count"):
+    with pytest.raises(
+        ConfigError,
+        match="gpu_memory_utilization and cache_max_entry_count.*drop cache_max_entry_count",
+    ):
         check_knobs(EngineConfig(gpu_memory_utilization=0.9, cache_max_entry_count=0.5))
     with pytest.raises(ConfigError, match="num_gpu_blocks and kv_cache_bytes"):
         check_knobs(EngineConfig(num_gpu_blocks=10, kv_cache_bytes=1 << 30))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("gpu_memory_utilization", 1.5), ("cache_max_entry_count", 0.0), ("kv_cache_bytes", -1),
-    ("quant_policy", 3), ("block_size", 0), ("tp", 2), ("max_batch_size", -4),
-    ("eviction_type", "copy"), ("dtype", "int3"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("gpu_memory_utilization", 1.5),
+        ("cache_max_entry_count", 0.0),
+        ("kv_cache_bytes", -1),
+        ("quant_policy", 3),
+        ("block_size", 0),
+        ("tp", 2),
+        ("max_batch_size", -4),
+        ("eviction_type", "copy"),
+        ("dtype", "int3"),
+    ],
+)
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**{field: value})
@@ -119,38 +143,49 @@ def test_prefill_budget_is_lowered_with_numbers_when_activations_do_not_fit():
     tight = DeviceMemory("tight", 2 * GiB, int(1.25 * GiB))
     plan = plan_memory(mc, EngineConfig(session_len=2048, max_prefill_token_num=8192), tight, 2)
     assert plan.max_prefill_token_num < 8192
-    assert any(n.startswith("max_prefill_token_num 8192 -> 4096") and "GiB" in n
-               for n in plan.notes)
+    assert any(
+        n.startswith("max_prefill_token_num 8192 -> 4096") and "GiB" in n for n in plan.notes
+    )
     assert plan.num_blocks >= 16
 
 
 @needs_shared
 def test_session_len_is_clamped_to_capacity_in_the_plan():
-    plan = plan_memory(small_model(), EngineConfig(num_gpu_blocks=10, session_len=100_000),
-                       GPU24, 2)
+    plan = plan_memory(
+        small_model(), EngineConfig(num_gpu_blocks=10, session_len=100_000), GPU24, 2
+    )
     assert plan.session_len == 640
     assert "lowered to 640" in plan.notes[-1]
 
 
-@pytest.mark.parametrize("kw", [
-    dict(num_gpu_blocks=37, block_size=4),
-    dict(max_total_tokens=999, block_size=16),
-    dict(kv_cache_bytes=3_000_000, block_size=8, quant_policy=8),
-    dict(kv_cache_bytes=3_000_000, block_size=8, quant_policy=4),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_gpu_blocks=37, block_size=4),
+        dict(max_total_tokens=999, block_size=16),
+        dict(kv_cache_bytes=3_000_000, block_size=8, quant_policy=8),
+        dict(kv_cache_bytes=3_000_000, block_size=8, quant_policy=4),
+    ],
+)
 def test_engine_allocates_exactly_the_planned_blocks(model_dirs, kw):
     _, path = model_dirs("qwen2")
     engine = engine_for(path, **kw)
     assert engine.block_manager.num_blocks == engine.plan.num_blocks
     assert engine.kv_cache.num_bytes == engine.plan.kv_cache_bytes
-    assert engine.plan.kv_cache_bytes == engine.plan.num_blocks * engine.plan.block_size \
-        * engine.plan.kv_bytes_per_token
+    assert (
+        engine.plan.kv_cache_bytes
+        == engine.plan.num_blocks * engine.plan.block_size * engine.plan.kv_bytes_per_token
+    )
 
 
 def test_same_budget_holds_more_tokens_with_kv_quantization(model_dirs):
     _, path = model_dirs("qwen2")  # head_dim 16, fp32: 64 B vs 16 + 8 vs 8 + 8 per head
-    tokens = {q: engine_for(path, kv_cache_bytes=1 << 22, block_size=8, quant_policy=q)
-              .block_manager.capacity_tokens for q in (0, 8, 4)}
+    tokens = {
+        q: engine_for(
+            path, kv_cache_bytes=1 << 22, block_size=8, quant_policy=q
+        ).block_manager.capacity_tokens
+        for q in (0, 8, 4)
+    }
     assert tokens[8] / tokens[0] == pytest.approx(64 / 24, rel=0.01)
     assert tokens[4] / tokens[0] == pytest.approx(64 / 16, rel=0.01)
 
@@ -159,8 +194,10 @@ def test_cpu_default_is_4_gib_when_no_knob_is_set(model_dirs):
     _, path = model_dirs("llama")
     engine = engine_for(path, num_gpu_blocks=0, block_size=64)
     assert engine.plan.kv_cache_bytes <= 4 * GiB
-    assert "CPU default" in engine.plan.budget_source or "cache_max_entry_count" in \
-        engine.plan.budget_source
+    assert (
+        "CPU default" in engine.plan.budget_source
+        or "cache_max_entry_count" in engine.plan.budget_source
+    )
 
 
 PEAK_SCRIPT = r"""
@@ -177,8 +214,9 @@ def hwm():
             return int(line.split()[1]) * 1024
 base = current_rss_bytes()
 model = build_random_model(preset_config('tiny-qwen2', 8192))
-engine = LLMEngine.from_model(model, EngineConfig(kv_cache_bytes=64 << 20, max_prefill_token_num=1024,
-                                                  block_size=16, max_batch_size=8))
+config = EngineConfig(kv_cache_bytes=64 << 20, max_prefill_token_num=1024, block_size=16,
+                      max_batch_size=8)
+engine = LLMEngine.from_model(model, config)
 prompts = [[(i * 7 + j) % 8000 + 2 for j in range(900)] for i in range(8)]
 engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
 p = engine.plan
@@ -192,8 +230,9 @@ def test_cpu_peak_memory_stays_within_the_plan():
     """Peak RSS growth of a whole run (weights, KV pool, chunked 1024-token prefills of 8
     prompts) against weights + KV + activation reserve. Tolerance: 96 MiB for torch's CPU
     allocator caching and the interpreter's own growth, measured at about 30-60 MiB here."""
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True
+    )
     m = json.loads(out.stdout.strip().splitlines()[-1])
     planned = m["weights"] + m["kv"] + m["act"]
     assert m["peak"] <= planned + (96 << 20), m

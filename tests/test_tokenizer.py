@@ -8,13 +8,20 @@ import pytest
 from steadylm.tokenizer import IncrementalDetokenizer, PromptEncoder
 from tests.conftest import STORIES, TOKENIZERS, needs_shared
 
-TEXTS = ["café naïve — 日本語 😀 and more", "Numbers 12345 and symbols #@$% ~ [x] {y} <z>",
-         " leading space and trailing space ", "Tom and  Sue went to the park.\nThey saw a dog."]
+TEXTS = [
+    "café naïve — 日本語 😀 and more",
+    "Numbers 12345 and symbols #@$% ~ [x] {y} <z>",
+    " leading space and trailing space ",
+    "Tom and  Sue went to the park.\nThey saw a dog.",
+]
 
 
 @needs_shared
-@pytest.mark.parametrize("tok_dir", [STORIES, TOKENIZERS / "qwen2.5", TOKENIZERS / "llama2"],
-                         ids=["stories-bytefallback", "qwen2.5-bytelevel", "llama2-spm"])
+@pytest.mark.parametrize(
+    "tok_dir",
+    [STORIES, TOKENIZERS / "qwen2.5", TOKENIZERS / "llama2"],
+    ids=["stories-bytefallback", "qwen2.5-bytelevel", "llama2-spm"],
+)
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_never_breaks_utf8_and_equals_decode(tok_dir, text):
     from transformers import AutoTokenizer
@@ -25,7 +32,7 @@ def test_stream_never_breaks_utf8_and_equals_decode(tok_dir, text):
     detok = IncrementalDetokenizer(tok, prompt)
     deltas = [detok.add([t]) for t in ids] + [detok.add([], final=True)]
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
 
 
 @needs_shared

@@ -47,8 +47,17 @@ def dequantize_kv(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> t
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def allocate(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
-                 quant_policy=0) -> KVCache:
+    def allocate(
+        self,
+        num_layers,
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+        quant_policy=0,
+    ) -> KVCache:
         # Uninitialised on purpose: a slot is always written before any query can see it, and
         # padded gather positions are clamped to written slots (see _prepare_tile). On CPU the
         # pages then cost memory only once used.
@@ -77,7 +86,10 @@ class TorchAttentionBackend(AttentionBackend):
             cache.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             cache.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
             return
-        for codes, params, x in ((cache.k, cache.k_scale_zero, k), (cache.v, cache.v_scale_zero, v)):
+        for codes, params, x in (
+            (cache.k, cache.k_scale_zero, k),
+            (cache.v, cache.v_scale_zero, v),
+        ):
             q, sz = quantize_kv(x, cache.quant_policy)
             codes[layer].view(-1, *q.shape[1:]).index_copy_(0, slots, q)
             params[layer].view(-1, *sz.shape[1:]).index_copy_(0, slots, sz)
@@ -90,8 +102,12 @@ class TorchAttentionBackend(AttentionBackend):
                 v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["kv_index"], q.dtype)
                 qp = q[t["q_index"]]  # (S, Q, H, D)
                 o = F.scaled_dot_product_attention(
-                    qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    attn_mask=t["mask"], scale=scale, enable_gqa=k.shape[2] != qp.shape[2],
+                    qp.transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    attn_mask=t["mask"],
+                    scale=scale,
+                    enable_gqa=k.shape[2] != qp.shape[2],
                 ).transpose(1, 2)  # (S, Q, H, D)
                 out[t["out_index"]] = o[t["q_valid"]]
         return out
@@ -147,11 +163,18 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     q_valid = qpos[None, :] < query_lens[:, None]  # (S, Q)
     # Absolute position of query t of sequence s: context_len - query_len + t.
     abs_q = (context_lens - query_lens)[:, None] + qpos[None, :]  # (S, Q)
-    mask = (ctx[None, None, :] <= abs_q[:, :, None]) & (ctx[None, None, :] < context_lens[:, None, None])
+    mask = (ctx[None, None, :] <= abs_q[:, :, None]) & (
+        ctx[None, None, :] < context_lens[:, None, None]
+    )
     if window is not None:
         mask &= ctx[None, None, :] > abs_q[:, :, None] - window
     mask |= ~q_valid[:, :, None] & (ctx == 0)  # padded queries see one key, so no NaN rows
     starts = g.token_start + (torch.cumsum(g.query_lens, 0) - g.query_lens)[sel]  # (S,)
     q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - 1)  # (S, Q) flat ids
-    return {"kv_index": kv_index, "mask": mask[:, None], "q_valid": q_valid, "q_index": q_index,
-            "out_index": q_index[q_valid]}
+    return {
+        "kv_index": kv_index,
+        "mask": mask[:, None],
+        "q_valid": q_valid,
+        "q_index": q_index,
+        "out_index": q_index[q_valid],
+    }

@@ -16,17 +16,20 @@ class GPU:
     total_bytes: int  # torch.cuda.get_device_properties().total_memory, as observed
 
 
-GPUS: dict[str, GPU] = {g.key: g for g in [
-    GPU("rtx3090", "NVIDIA GeForce RTX 3090", 25447170048),
-    GPU("rtx4090", "NVIDIA GeForce RTX 4090", 25386352640),
-    GPU("l4", "NVIDIA L4", 23612293120),
-    GPU("a10", "NVIDIA A10", 23609475072),
-    GPU("l40s", "NVIDIA L40S", 47576711168),
-    GPU("a100-40gb", "NVIDIA A100-SXM4-40GB", 42298834944),
-    GPU("a100-80gb", "NVIDIA A100-SXM4-80GB", 84987740160),
-    GPU("h100-80gb", "NVIDIA H100 80GB HBM3", 85028896768),
-    GPU("h200", "NVIDIA H200", 150754820096),  # nvidia-smi total; torch reports a little less
-]}
+GPUS: dict[str, GPU] = {
+    g.key: g
+    for g in [
+        GPU("rtx3090", "NVIDIA GeForce RTX 3090", 25447170048),
+        GPU("rtx4090", "NVIDIA GeForce RTX 4090", 25386352640),
+        GPU("l4", "NVIDIA L4", 23612293120),
+        GPU("a10", "NVIDIA A10", 23609475072),
+        GPU("l40s", "NVIDIA L40S", 47576711168),
+        GPU("a100-40gb", "NVIDIA A100-SXM4-40GB", 42298834944),
+        GPU("a100-80gb", "NVIDIA A100-SXM4-80GB", 84987740160),
+        GPU("h100-80gb", "NVIDIA H100 80GB HBM3", 85028896768),
+        GPU("h200", "NVIDIA H200", 150754820096),  # nvidia-smi total; torch reports a little less
+    ]
+}
 
 
 def model_names() -> list[str]:

@@ -25,8 +25,12 @@ CLOSED = object()  # put on a stream when the loop dies, after the error output
 class RequestStream:
     """Outputs of one request, readable by a thread (`__iter__`) or by asyncio (`__aiter__`)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
-                 sink: queue.Queue | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> None:
         self.request_id = request_id
         self._loop = loop
         self._sink = sink  # a queue shared by several streams gets (request_id, item) pairs
@@ -93,19 +97,23 @@ class AsyncEngine:
             self._wake.notify()
         return stream
 
-    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
-              ) -> None:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """End a request now: its blocks are freed before this returns."""
         with self._wake:
             out = self.engine.abort(request_id, status)
             if out is not None:
                 self._deliver([out])
 
-    def generate_sync(self, prompt, params: SamplingParams, request_id=None) -> Iterator[RequestOutput]:
+    def generate_sync(
+        self, prompt, params: SamplingParams, request_id=None
+    ) -> Iterator[RequestOutput]:
         yield from self.add_request(prompt, params, request_id)
 
-    async def generate(self, prompt, params: SamplingParams, request_id=None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams, request_id=None
+    ) -> AsyncIterator[RequestOutput]:
         stream = self.add_request(prompt, params, request_id, asyncio.get_running_loop())
         try:
             async for out in stream:

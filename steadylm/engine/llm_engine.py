@@ -76,8 +76,14 @@ class LLMEngine:
         self.session_len = plan.session_len
         backend = get_backend("torch")
         self.kv_cache = backend.allocate(
-            model_config.num_layers, plan.num_blocks, plan.block_size,
-            model_config.num_kv_heads, model_config.head_dim, dtype, device, config.quant_policy,
+            model_config.num_layers,
+            plan.num_blocks,
+            plan.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            device,
+            config.quant_policy,
         )
         watermark = config.watermark_blocks
         if watermark is None:
@@ -88,8 +94,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, plan.max_prefill_token_num
         )
-        self.runner = ModelRunner(model, backend, self.kv_cache, self.block_manager, device,
-                                  config.seed)
+        self.runner = ModelRunner(
+            model, backend, self.kv_cache, self.block_manager, device, config.seed
+        )
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, int] = {}
         self._ids = itertools.count()
@@ -102,8 +109,9 @@ class LLMEngine:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
-                        tokenizer: Any = None) -> LLMEngine:
+    def from_pretrained(
+        cls, model_dir: str, config: EngineConfig | None = None, tokenizer: Any = None
+    ) -> LLMEngine:
         from steadylm.loader import load_model, safetensors_files, weight_bytes_from_files
 
         config = config or EngineConfig()
@@ -153,15 +161,17 @@ class LLMEngine:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer; pass token ids instead",
-                                   param="prompt")
+                raise RequestError(
+                    "a text prompt needs a tokenizer; pass token ids instead", param="prompt"
+                )
             return list(self.tokenizer.encode(prompt))
         ids = list(prompt)
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}",
-                               param="prompt")
+            raise RequestError(
+                f"token ids must be ints in [0, {vocab}); got {bad[:5]}", param="prompt"
+            )
         return ids
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -173,12 +183,15 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt has {n} tokens; with one new token that is longer than "
                 f"session_len={self.session_len}. Shorten the prompt or raise session_len "
-                f"(KV capacity is {capacity} tokens).", param="prompt")
+                f"(KV capacity is {capacity} tokens).",
+                param="prompt",
+            )
         if n + 1 > capacity:
             raise RequestError(
                 f"the prompt has {n} tokens; with one new token that is more than the whole KV "
                 f"cache ({capacity} tokens). Raise the KV cache size or shorten the prompt.",
-                param="prompt")
+                param="prompt",
+            )
 
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -205,8 +218,9 @@ class LLMEngine:
         self.num_generated_tokens += len(sampled)
         used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
-        self.step_log.append(StepRecord(len(out.scheduled), out.num_tokens, used,
-                                        time.perf_counter() - t0))
+        self.step_log.append(
+            StepRecord(len(out.scheduled), out.num_tokens, used, time.perf_counter() - t0)
+        )
         touched = [s.request for s in out.scheduled] + out.errored
         self._maybe_log_stats()
         return self._outputs(touched)
@@ -227,14 +241,23 @@ class LLMEngine:
             new = req.output_token_ids[done:]
             if not new and not req.is_finished:
                 continue
-            outputs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=new,
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                finished=req.is_finished, finish_reason=req.finish_reason, error=req.error,
-                new_logprobs=req.output_logprobs[done:], num_cached_tokens=req.num_cached_tokens,
-                num_preemptions=req.num_preemptions, arrival_time=req.arrival_time,
-                first_token_time=req.first_token_time, finish_time=req.finish_time,
-            ))
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=new,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    finished=req.is_finished,
+                    finish_reason=req.finish_reason,
+                    error=req.error,
+                    new_logprobs=req.output_logprobs[done:],
+                    num_cached_tokens=req.num_cached_tokens,
+                    num_preemptions=req.num_preemptions,
+                    arrival_time=req.arrival_time,
+                    first_token_time=req.first_token_time,
+                    finish_time=req.finish_time,
+                )
+            )
             self._reported[req.request_id] = req.num_output_tokens
             if req.is_finished:
                 self._forget(req)
@@ -272,14 +295,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks,
             num_preemptions=self.scheduler.stats.num_preemptions,
-            prefix_cache_hit_rate=bm.hit_rate, num_steps=self.scheduler.stats.num_steps,
+            prefix_cache_hit_rate=bm.hit_rate,
+            num_steps=self.scheduler.stats.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens,
-            healthy=self.healthy, last_error=self.last_error,
+            healthy=self.healthy,
+            last_error=self.last_error,
         )
 
     def _maybe_log_stats(self) -> None:
@@ -293,16 +320,32 @@ class LLMEngine:
             reasons[r.wait_reason] = reasons.get(r.wait_reason, 0) + 1
         logger.info(
             "running %d, waiting %d %s, KV blocks %d/%d used, preemptions %d, prefix hit %.1f%%",
-            s.num_running, s.num_waiting, reasons or "", s.kv_blocks_used, s.kv_blocks_total,
-            s.num_preemptions, 100 * s.prefix_cache_hit_rate,
+            s.num_running,
+            s.num_waiting,
+            reasons or "",
+            s.kv_blocks_used,
+            s.kv_blocks_total,
+            s.num_preemptions,
+            100 * s.prefix_cache_hit_rate,
         )
 
 
-def make_plan(mc: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-              weight_bytes: int) -> MemoryPlan:
+def make_plan(
+    mc: ModelConfig,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_bytes: int,
+) -> MemoryPlan:
     mem = platform.device_memory(device)
-    plan = plan_memory(mc, config, mem, torch.tensor([], dtype=dtype).element_size(),
-                       weight_bytes=weight_bytes, is_cpu=device.type == "cpu")
+    plan = plan_memory(
+        mc,
+        config,
+        mem,
+        torch.tensor([], dtype=dtype).element_size(),
+        weight_bytes=weight_bytes,
+        is_cpu=device.type == "cpu",
+    )
     logger.info("%s", plan.table())
     for note in plan.notes:
         logger.warning("%s", note)

@@ -79,14 +79,16 @@ class ModelRunner:
         for lo, hi in ((0, num_decode), (num_decode, len(order))):
             if lo == hi:
                 continue
-            groups.append(AttentionGroup(
-                token_start=int(starts[lo]),
-                token_end=int(starts[hi - 1] + q_lens[hi - 1]),
-                block_tables=block_tables[lo:hi].to(dev),
-                context_lens=ctx[lo:hi].to(dev),
-                query_lens=q_lens[lo:hi].to(dev),
-                max_query_len=int(q_lens[lo:hi].max()),
-                max_context_len=int(ctx[lo:hi].max()),
-            ))
+            groups.append(
+                AttentionGroup(
+                    token_start=int(starts[lo]),
+                    token_end=int(starts[hi - 1] + q_lens[hi - 1]),
+                    block_tables=block_tables[lo:hi].to(dev),
+                    context_lens=ctx[lo:hi].to(dev),
+                    query_lens=q_lens[lo:hi].to(dev),
+                    max_query_len=int(q_lens[lo:hi].max()),
+                    max_context_len=int(ctx[lo:hi].max()),
+                )
+            )
         md = AttentionMetadata(slot_mapping.to(dev), groups, bs, self.sliding_window)
         return torch.tensor(tokens, device=dev), positions.to(dev), md

@@ -56,27 +56,53 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-                 "max_new_tokens", f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-        _require(_finite(self.temperature) and self.temperature >= 0, "temperature",
-                 f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-                 f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
-        _require(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",
-                 f"top_p={self.top_p!r} must be in (0, 1]")
-        _require(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-                 f"min_p={self.min_p!r} must be in [0, 1]")
-        _require(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                 "repetition_penalty",
-                 f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)")
-        _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-                 "min_new_tokens", f"min_new_tokens={self.min_new_tokens!r} must be an int >= 0")
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-                 "logprobs", f"logprobs={self.logprobs!r} must be an int >= 0")
+        _require(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            "max_new_tokens",
+            f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1",
+        )
+        _require(
+            _finite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"temperature={self.temperature!r} must be >= 0 (0 means greedy)",
+        )
+        _require(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)",
+        )
+        _require(
+            _finite(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"top_p={self.top_p!r} must be in (0, 1]",
+        )
+        _require(
+            _finite(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"min_p={self.min_p!r} must be in [0, 1]",
+        )
+        _require(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)",
+        )
+        _require(
+            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            f"min_new_tokens={self.min_new_tokens!r} must be an int >= 0",
+        )
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            f"logprobs={self.logprobs!r} must be an int >= 0",
+        )
         for name in ("stop_token_ids", "bad_token_ids"):
             ids = getattr(self, name)
-            _require(all(isinstance(t, int) and t >= 0 for t in ids), name,
-                     f"{name} must hold non-negative token ids, got {list(ids)!r}")
+            _require(
+                all(isinstance(t, int) and t >= 0 for t in ids),
+                name,
+                f"{name} must hold non-negative token ids, got {list(ids)!r}",
+            )
 
     @property
     def greedy(self) -> bool:

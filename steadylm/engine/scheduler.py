@@ -158,7 +158,9 @@ class Scheduler:
         for req in self.waiting:
             req.wait_reason = reason
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict | None]]) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict | None]]
+    ) -> list[Request]:
         """Advance progress after the model ran; return the requests that finished."""
         finished = list(out.errored)
         for s in out.scheduled:

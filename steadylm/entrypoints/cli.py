@@ -11,25 +11,48 @@ from steadylm.config import EngineConfig
 from steadylm.errors import SteadyLMError
 
 ENGINE_FLAGS: list[tuple[str, dict]] = [
-    ("--dtype", dict(default="auto", help="auto (fp32 on CPU, the checkpoint's on CUDA), "
-                                          "float32, float16 or bfloat16")),
+    (
+        "--dtype",
+        dict(
+            default="auto",
+            help="auto (fp32 on CPU, the checkpoint's on CUDA), float32, float16 or bfloat16",
+        ),
+    ),
     ("--device", dict(default="auto", help="auto, cpu or cuda")),
     ("--tp", dict(type=int, default=1, help="tensor parallel degree (only 1 is supported)")),
-    ("--session-len", dict(type=int, default=None,
-                           help="max prompt + output tokens per request (default: the model's "
-                                "max_position_embeddings, lowered to the KV capacity)")),
+    (
+        "--session-len",
+        dict(
+            type=int,
+            default=None,
+            help="max prompt + output tokens per request (default: the model's "
+            "max_position_embeddings, lowered to the KV capacity)",
+        ),
+    ),
     ("--max-batch-size", dict(type=int, default=128, help="max running requests")),
-    ("--max-prefill-token-num", dict(type=int, default=4096,
-                                     help="token budget per step, prefill chunks and decodes")),
-    ("--block-size", dict(type=int, default=64, help="tokens per KV block (LMDeploy's "
-                                                     "cache_block_seq_len)")),
+    (
+        "--max-prefill-token-num",
+        dict(type=int, default=4096, help="token budget per step, prefill chunks and decodes"),
+    ),
+    (
+        "--block-size",
+        dict(type=int, default=64, help="tokens per KV block (LMDeploy's cache_block_seq_len)"),
+    ),
     ("--enable-prefix-caching", dict(action="store_true", help="reuse KV of shared prefixes")),
-    ("--quant-policy", dict(type=int, default=0, choices=[0, 4, 8],
-                            help="KV cache: 0 model dtype, 8 int8, 4 int4")),
-    ("--cache-max-entry-count", dict(type=float, default=None,
-                                     help="LMDeploy: share of memory free after weights for KV")),
-    ("--gpu-memory-utilization", dict(type=float, default=None,
-                                      help="vLLM: share of total device memory for everything")),
+    (
+        "--quant-policy",
+        dict(
+            type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 model dtype, 8 int8, 4 int4"
+        ),
+    ),
+    (
+        "--cache-max-entry-count",
+        dict(type=float, default=None, help="LMDeploy: share of memory free after weights for KV"),
+    ),
+    (
+        "--gpu-memory-utilization",
+        dict(type=float, default=None, help="vLLM: share of total device memory for everything"),
+    ),
     ("--kv-cache-bytes", dict(type=int, default=None, help="absolute KV cache size in bytes")),
     ("--max-total-tokens", dict(type=int, default=None, help="absolute KV capacity in tokens")),
     ("--num-gpu-blocks", dict(type=int, default=0, help="absolute KV capacity in blocks")),
@@ -93,15 +116,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if args.model is None and not _budget_set(config):
         config = config.replace(max_total_tokens=8192)  # a demo needs no 4 GiB pool
-    report = run_demo(args.model, config, args.preset or DEFAULT_PRESET, args.num_prompts,
-                      args.max_new_tokens, args.temperature)
+    report = run_demo(
+        args.model,
+        config,
+        args.preset or DEFAULT_PRESET,
+        args.num_prompts,
+        args.max_new_tokens,
+        args.temperature,
+    )
     print(report)
     return 0
 
 
 def _budget_set(c: EngineConfig) -> bool:
-    return bool(c.num_gpu_blocks or c.max_total_tokens or c.kv_cache_bytes
-                or c.gpu_memory_utilization or c.cache_max_entry_count)
+    return bool(
+        c.num_gpu_blocks
+        or c.max_total_tokens
+        or c.kv_cache_bytes
+        or c.gpu_memory_utilization
+        or c.cache_max_entry_count
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,8 +145,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.model)
     engine = LLMEngine.from_pretrained(args.model, engine_config_from_args(args), tokenizer)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.random_seed)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.random_seed,
+    )
     req = engine.generate([args.prompt], params)[0]
     print(args.prompt + tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
     print(f"[{req.num_output_tokens} tokens, finish_reason={req.finish_reason}]", file=sys.stderr)

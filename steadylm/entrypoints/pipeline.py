@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steadylm.api import (
-    ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response, TurbomindEngineConfig,
+    ChatTemplateConfig,
+    GenerationConfig,
+    PytorchEngineConfig,
+    Response,
+    TurbomindEngineConfig,
 )
 from steadylm.config import EngineConfig
 from steadylm.engine.async_engine import CLOSED, AsyncEngine
@@ -25,9 +29,13 @@ logger = logging.getLogger("steadylm")
 Prompt = str | list[dict] | list[int]
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | TurbomindEngineConfig
-             | EngineConfig | None = None, chat_template_config: ChatTemplateConfig | None = None,
-             log_level: str = "WARNING", **kwargs: Any) -> Pipeline:
+def pipeline(
+    model_path: str,
+    backend_config: PytorchEngineConfig | TurbomindEngineConfig | EngineConfig | None = None,
+    chat_template_config: ChatTemplateConfig | None = None,
+    log_level: str = "WARNING",
+    **kwargs: Any,
+) -> Pipeline:
     logging.getLogger("steadylm").setLevel(log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
@@ -40,8 +48,12 @@ class _Request:
     def __init__(self, pipe: Pipeline, index: int, ids: list[int], gen: GenerationConfig):
         self.index, self.ids, self.gen = index, ids, gen
         self.detok = IncrementalDetokenizer(
-            pipe.tokenizer, ids, gen.skip_special_tokens, gen.spaces_between_special_tokens,
-            stop=gen.stop_words)
+            pipe.tokenizer,
+            ids,
+            gen.skip_special_tokens,
+            gen.spaces_between_special_tokens,
+            stop=gen.stop_words,
+        )
         self.stops = set(gen.stop_token_ids or ()) | set(pipe.engine.model_config.eos_token_ids)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
@@ -51,8 +63,13 @@ class _Request:
     def feed(self, out: RequestOutput, pipe: Pipeline) -> Response:
         new = list(out.new_token_ids)
         reason = out.finish_reason
-        if out.finished and reason == "stop" and new and new[-1] in self.stops \
-                and not self.gen.ignore_eos:
+        if (
+            out.finished
+            and reason == "stop"
+            and new
+            and new[-1] in self.stops
+            and not self.gen.ignore_eos
+        ):
             new = new[:-1]  # as LMDeploy: the stop token is not part of the output
         delta = self.detok.add(new, final=out.finished)
         if self.detok.stopped and not out.finished:
@@ -61,19 +78,32 @@ class _Request:
         self.logprobs += out.new_logprobs[: len(new)]
         self.text += delta
         return Response(
-            text=delta, generate_token_len=len(self.token_ids), input_token_len=len(self.ids),
+            text=delta,
+            generate_token_len=len(self.token_ids),
+            input_token_len=len(self.ids),
             finish_reason=("stop" if self.detok.stopped else reason) if out.finished else None,
-            token_ids=new, logprobs=out.new_logprobs[: len(new)] or None, index=self.index,
-            error=out.error, num_preemptions=out.num_preemptions,
-            **_timing(out, len(self.token_ids)))
+            token_ids=new,
+            logprobs=out.new_logprobs[: len(new)] or None,
+            index=self.index,
+            error=out.error,
+            num_preemptions=out.num_preemptions,
+            **_timing(out, len(self.token_ids)),
+        )
 
     def final(self, last: Response) -> Response:
         return Response(
-            text=self.text, generate_token_len=len(self.token_ids),
-            input_token_len=len(self.ids), finish_reason=last.finish_reason,
-            token_ids=self.token_ids, logprobs=self.logprobs or None, index=self.index,
-            error=last.error, ttft_s=last.ttft_s, tokens_per_s=last.tokens_per_s,
-            num_preemptions=last.num_preemptions)
+            text=self.text,
+            generate_token_len=len(self.token_ids),
+            input_token_len=len(self.ids),
+            finish_reason=last.finish_reason,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs or None,
+            index=self.index,
+            error=last.error,
+            ttft_s=last.ttft_s,
+            tokens_per_s=last.tokens_per_s,
+            num_preemptions=last.num_preemptions,
+        )
 
 
 def _timing(out: RequestOutput, n: int) -> dict:
@@ -94,8 +124,13 @@ class Session:
 
 
 class Pipeline:
-    def __init__(self, model_path: str, backend_config=None,
-                 chat_template_config: ChatTemplateConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        backend_config=None,
+        chat_template_config: ChatTemplateConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs:
             raise TypeError(f"pipeline() got unexpected arguments: {', '.join(kwargs)}")
         config = backend_config or PytorchEngineConfig()
@@ -117,8 +152,11 @@ class Pipeline:
             return self.encoder.encode_messages(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        raise RequestError("a prompt is a str, a list of {role, content} messages, or a list of "
-                           f"token ids; got {type(prompt).__name__}", param="prompts")
+        raise RequestError(
+            "a prompt is a str, a list of {role, content} messages, or a list of "
+            f"token ids; got {type(prompt).__name__}",
+            param="prompts",
+        )
 
     def _has_template(self) -> bool:
         return bool(self.encoder.chat_template or getattr(self.tokenizer, "chat_template", None))
@@ -126,21 +164,35 @@ class Pipeline:
     @staticmethod
     def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
         single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and (all(isinstance(p, dict) for p in prompts)
-                                                      or all(isinstance(p, int) for p in prompts)))
+            isinstance(prompts, list)
+            and prompts
+            and (
+                all(isinstance(p, dict) for p in prompts)
+                or all(isinstance(p, int) for p in prompts)
+            )
+        )
         return ([prompts], True) if single else (list(prompts), False)
 
     # ---- submission ---------------------------------------------------------------------
-    def _submit(self, prompts: list[Prompt], gen_config, do_preprocess: bool,
-                sink: queue.Queue | None = None) -> list[tuple[_Request, Any]]:
+    def _submit(
+        self,
+        prompts: list[Prompt],
+        gen_config,
+        do_preprocess: bool,
+        sink: queue.Queue | None = None,
+    ) -> list[tuple[_Request, Any]]:
         gens = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
         if len(gens) != len(prompts):
             raise ValueError(f"{len(gens)} gen_configs for {len(prompts)} prompts")
         prepared = []
         for i, (p, g) in enumerate(zip(prompts, gens)):  # validate all before submitting any
             g = g or GenerationConfig()
-            prepared.append((_Request(self, i, self.encode(p, do_preprocess), g),
-                             g.to_sampling_params(self.tokenizer)))
+            prepared.append(
+                (
+                    _Request(self, i, self.encode(p, do_preprocess), g),
+                    g.to_sampling_params(self.tokenizer),
+                )
+            )
         submitted = []
         try:
             for req, params in prepared:
@@ -153,9 +205,14 @@ class Pipeline:
             raise
         return submitted
 
-    def __call__(self, prompts: Any, gen_config: GenerationConfig | list | None = None,
-                 do_preprocess: bool = True, use_tqdm: bool = False, **_: Any
-                 ) -> Response | list[Response]:
+    def __call__(
+        self,
+        prompts: Any,
+        gen_config: GenerationConfig | list | None = None,
+        do_preprocess: bool = True,
+        use_tqdm: bool = False,
+        **_: Any,
+    ) -> Response | list[Response]:
         batch, single = self._as_batch(prompts)
         submitted = self._submit(batch, gen_config, do_preprocess)
         bar = _progress(len(batch)) if use_tqdm else None
@@ -174,8 +231,13 @@ class Pipeline:
     batch_infer = __call__
     infer = __call__
 
-    def stream_infer(self, prompts: Any, gen_config: GenerationConfig | list | None = None,
-                     do_preprocess: bool = True, **_: Any) -> Iterator[Response]:
+    def stream_infer(
+        self,
+        prompts: Any,
+        gen_config: GenerationConfig | list | None = None,
+        do_preprocess: bool = True,
+        **_: Any,
+    ) -> Iterator[Response]:
         """Yield Response chunks (text deltas) as they come, each tagged with its `index`."""
         batch, _single = self._as_batch(prompts)
         sink: queue.Queue = queue.Queue()
@@ -195,9 +257,15 @@ class Pipeline:
             for rid in open_ids:  # the caller stopped iterating early
                 self.async_engine.abort(rid)
 
-    async def generate(self, prompt: Prompt, session_id: int = 0,
-                       gen_config: GenerationConfig | None = None, stream_response: bool = True,
-                       do_preprocess: bool = True, **_: Any) -> AsyncIterator[Response]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        session_id: int = 0,
+        gen_config: GenerationConfig | None = None,
+        stream_response: bool = True,
+        do_preprocess: bool = True,
+        **_: Any,
+    ) -> AsyncIterator[Response]:
         gen = gen_config or GenerationConfig()
         req = _Request(self, session_id, self.encode(prompt, do_preprocess), gen)
         params = gen.to_sampling_params(self.tokenizer)
@@ -212,9 +280,14 @@ class Pipeline:
         if not stream_response and last is not None:
             yield req.final(last)
 
-    def chat(self, prompt: str, session: Session | None = None,
-             gen_config: GenerationConfig | None = None, stream_response: bool = False,
-             **_: Any) -> Session:
+    def chat(
+        self,
+        prompt: str,
+        session: Session | None = None,
+        gen_config: GenerationConfig | None = None,
+        stream_response: bool = False,
+        **_: Any,
+    ) -> Session:
         session = session or Session()
         session.history.append({"role": "user", "content": prompt})
         resp = self(list(session.history), gen_config=gen_config)

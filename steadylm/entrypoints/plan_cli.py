@@ -12,7 +12,7 @@ import torch
 from steadylm import catalog
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.errors import ConfigError
-from steadylm.memory import DTYPE_BYTES, GiB, DeviceMemory, MemoryPlan, fmt_bytes, plan_memory
+from steadylm.memory import DTYPE_BYTES, DeviceMemory, GiB, MemoryPlan, fmt_bytes, plan_memory
 
 # What a CUDA context and the allocator take before the engine loads anything; measured free
 # memory replaces this assumption at real startup.
@@ -21,19 +21,31 @@ CUDA_CONTEXT_BYTES = 512 << 20
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "plan", help="print the memory plan for a model on a GPU (no GPU or weights needed)",
+        "plan",
+        help="print the memory plan for a model on a GPU (no GPU or weights needed)",
         description="MODEL is a model directory, a config.json, or a catalog name: "
-                    + ", ".join(catalog.model_names()))
+        + ", ".join(catalog.model_names()),
+    )
     p.add_argument("model", help="model directory, config.json path, or catalog name")
-    p.add_argument("--gpu", default=None,
-                   help="GPU by name (" + ", ".join(catalog.GPUS) + ") or 'cpu' for this machine")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU by name (" + ", ".join(catalog.GPUS) + ") or 'cpu' for this machine",
+    )
     p.add_argument("--gpu-memory", default=None, help="device memory instead, e.g. 24GiB or 80GB")
-    p.add_argument("--dtype", default="auto", help="weights/activations dtype (auto: the "
-                                                   "checkpoint's, fp16 for AWQ)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights/activations dtype (auto: the checkpoint's, fp16 for AWQ)",
+    )
     p.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8])
     p.add_argument("--session-len", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=1,
-                   help="also answer: the largest session_len for this many requests")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="also answer: the largest session_len for this many requests",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=128)
@@ -49,8 +61,9 @@ def add_parser(sub) -> None:
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text, re.I)
     if not m:
-        raise ConfigError(f"--gpu-memory {text!r}: write a size such as 24GiB or 80GB",
-                          param="gpu_memory")
+        raise ConfigError(
+            f"--gpu-memory {text!r}: write a size such as 24GiB or 80GB", param="gpu_memory"
+        )
     units = {"gib": GiB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "tib": 1 << 40, "tb": 10**12}
     return int(float(m.group(1)) * units[(m.group(2) or "GiB").lower()])
 
@@ -63,8 +76,11 @@ def resolve_model(arg: str) -> tuple[ModelConfig, str | None]:
         return ModelConfig.from_path(arg), None
     path = catalog.model_config_path(arg)
     if path is None:
-        raise ConfigError(f"{arg!r} is not a directory, a config.json, or a catalog name "
-                          f"({', '.join(catalog.model_names())})", param="model")
+        raise ConfigError(
+            f"{arg!r} is not a directory, a config.json, or a catalog name "
+            f"({', '.join(catalog.model_names())})",
+            param="model",
+        )
     return ModelConfig.from_path(path), None
 
 
@@ -78,15 +94,18 @@ def resolve_device(args) -> DeviceMemory:
         return device_memory(torch.device("cpu"))
     gpu = catalog.GPUS.get(args.gpu.lower())
     if gpu is None:
-        raise ConfigError(f"unknown GPU {args.gpu!r}; known: {', '.join(catalog.GPUS)}, or "
-                          "pass --gpu-memory", param="gpu")
+        raise ConfigError(
+            f"unknown GPU {args.gpu!r}; known: {', '.join(catalog.GPUS)}, or pass --gpu-memory",
+            param="gpu",
+        )
     return DeviceMemory(gpu.name, gpu.total_bytes, gpu.total_bytes - CUDA_CONTEXT_BYTES)
 
 
 def plan_dtype(args, mc: ModelConfig) -> str:
     if args.dtype != "auto":
-        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(args.dtype,
-                                                                                args.dtype)
+        return {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(
+            args.dtype, args.dtype
+        )
     if mc.quantization:
         return "float16"
     return mc.torch_dtype if mc.torch_dtype in DTYPE_BYTES else "bfloat16"
@@ -97,13 +116,18 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
     device = resolve_device(args)
     dtype = plan_dtype(args, mc)
     if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {args.dtype!r}: use float16, bfloat16 or float32",
-                          param="dtype")
+        raise ConfigError(
+            f"--dtype {args.dtype!r}: use float16, bfloat16 or float32", param="dtype"
+        )
     ec = EngineConfig(
-        session_len=args.session_len, max_batch_size=args.max_batch_size,
-        max_prefill_token_num=args.max_prefill_token_num, block_size=args.block_size,
-        quant_policy=args.quant_policy, num_gpu_blocks=args.num_gpu_blocks,
-        max_total_tokens=args.max_total_tokens, kv_cache_bytes=args.kv_cache_bytes,
+        session_len=args.session_len,
+        max_batch_size=args.max_batch_size,
+        max_prefill_token_num=args.max_prefill_token_num,
+        block_size=args.block_size,
+        quant_policy=args.quant_policy,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache_max_entry_count=args.cache_max_entry_count,
     )
@@ -112,12 +136,21 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         from steadylm.loader import safetensors_files, weight_bytes_from_files
 
         try:
-            weights = weight_bytes_from_files(safetensors_files(model_dir),
-                                              _torch_dtype(dtype)) // args.tp
+            weights = (
+                weight_bytes_from_files(safetensors_files(model_dir), _torch_dtype(dtype))
+                // args.tp
+            )
         except Exception:  # a config-only directory: count from the architecture
             weights = None
-    plan = plan_memory(mc, ec.replace(tp=1), device, DTYPE_BYTES[dtype], weight_bytes=weights,
-                       is_cpu=device.name == "cpu", tp=args.tp)
+    plan = plan_memory(
+        mc,
+        ec.replace(tp=1),
+        device,
+        DTYPE_BYTES[dtype],
+        weight_bytes=weights,
+        is_cpu=device.name == "cpu",
+        tp=args.tp,
+    )
     return plan, mc
 
 
@@ -137,10 +170,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, **plan.to_dict(), **answer}, indent=2))
         return 0
     quant = " AWQ int4" if mc.quantization else ""
-    print(f"{args.model}: {mc.architecture}{quant}, {mc.num_layers} layers, "
-          f"{mc.num_kv_heads} KV heads x head_dim {mc.head_dim}, tp={args.tp}")
+    print(
+        f"{args.model}: {mc.architecture}{quant}, {mc.num_layers} layers, "
+        f"{mc.num_kv_heads} KV heads x head_dim {mc.head_dim}, tp={args.tp}"
+    )
     print(plan.table())
-    print(f"  {n} concurrent request(s) fit at session_len <= "
-          f"{answer['max_session_len_for_concurrency']:,}")
+    print(
+        f"  {n} concurrent request(s) fit at session_len <= "
+        f"{answer['max_session_len_for_concurrency']:,}"
+    )
     print(f"  ({fmt_bytes(plan.kv_cache_bytes)} of KV = {plan.total_tokens:,} tokens)")
     return 0

@@ -13,9 +13,13 @@ from torch import nn
 from steadylm.errors import ModelLoadError
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+) -> None:
     if param.shape != loaded.shape:
-        raise ModelLoadError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+        raise ModelLoadError(
+            f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
+        )
     param.data.copy_(loaded)
 
 

@@ -18,15 +18,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias
+        )
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
+    def forward(
+        self, x, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata
+    ):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (T, H*D), (T, Hkv*D) x2
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -77,7 +85,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, **attn_flags: bool):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **attn_flags) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, **attn_flags) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, ids, positions, backend, cache, md):
@@ -91,8 +101,11 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our module name, shard index)
     packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     @classmethod
@@ -107,7 +120,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, ids, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
+    def forward(
+        self, ids, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata
+    ):
         """ids, positions (T,) -> final hidden states (T, C)."""
         return self.model(ids, positions, backend, cache, md)
 

@@ -92,11 +92,17 @@ def test_unwritten_cache_memory_is_never_read(model_dirs, quant_policy):
     _, path = model_dirs("llama")
     ps = prompts(6, seed=3)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    expected = [engine_for(path, quant_policy=quant_policy).generate([p], params)[0]
-                .output_token_ids for p in ps]
+    expected = [
+        engine_for(path, quant_policy=quant_policy).generate([p], params)[0].output_token_ids
+        for p in ps
+    ]
     engine = engine_for(path, quant_policy=quant_policy)
-    for t in (engine.kv_cache.k, engine.kv_cache.v, engine.kv_cache.k_scale_zero,
-              engine.kv_cache.v_scale_zero):
+    for t in (
+        engine.kv_cache.k,
+        engine.kv_cache.v,
+        engine.kv_cache.k_scale_zero,
+        engine.kv_cache.v_scale_zero,
+    ):
         if t is not None:
             t.view(torch.uint8).fill_(0xFF)  # NaN in every float format
     reqs = engine.generate(ps, params)

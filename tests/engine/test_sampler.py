@@ -41,12 +41,19 @@ def draw(params: SamplingParams, n: int = N) -> torch.Tensor:
     return torch.bincount(torch.tensor(out.token_ids), minlength=len(LOGITS)).float() / n
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.7),
-    dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.8),
-    dict(temperature=0.8, top_p=0.8, top_k=40), dict(temperature=1.0, min_p=0.2),
-    dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.05),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.5),
+        dict(temperature=1.7),
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=0.8, top_p=0.8, top_k=40),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.05),
+    ],
+)
 def test_empirical_distribution_matches_exact(kw):
     want = exact(**kw)
     got = draw(SamplingParams(**kw))
@@ -58,8 +65,12 @@ def test_empirical_distribution_matches_exact(kw):
 def test_filter_probs_matches_reference_exactly():
     for kw in [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=4, top_p=0.95)]:
         full = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | kw
-        got = filter_probs(LOGITS[None], torch.tensor([full["top_k"]]),
-                           torch.tensor([full["top_p"]]), torch.tensor([full["min_p"]]))[0]
+        got = filter_probs(
+            LOGITS[None],
+            torch.tensor([full["top_k"]]),
+            torch.tensor([full["top_p"]]),
+            torch.tensor([full["min_p"]]),
+        )[0]
         torch.testing.assert_close(got, exact(**full))
 
 
@@ -71,8 +82,10 @@ def test_greedy_is_argmax():
 
 def test_seeded_row_does_not_depend_on_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler(torch.device("cpu"))(LOGITS[None], [Request("a", [1], params)]).token_ids[0]
-             for _ in range(1)]
+    alone = [
+        Sampler(torch.device("cpu"))(LOGITS[None], [Request("a", [1], params)]).token_ids[0]
+        for _ in range(1)
+    ]
     sampler = Sampler(torch.device("cpu"), seed=3)
     others = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(5)]
     target = Request("a", [1], params)
@@ -80,7 +93,7 @@ def test_seeded_row_does_not_depend_on_the_batch():
     s_alone = Sampler(torch.device("cpu"))
     for step in range(30):
         seq_alone.append(s_alone(LOGITS[None], [target]).token_ids[0])
-        batch = others[: step % 5] + [target] + others[step % 5:]
+        batch = others[: step % 5] + [target] + others[step % 5 :]
         out = sampler(LOGITS.repeat(len(batch), 1), batch)
         seq_mixed.append(out.token_ids[batch.index(target)])
     assert seq_alone == seq_mixed

@@ -29,8 +29,9 @@ def test_seed_scenario_two_long_generations_fill_the_pool(sampling):
     prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
     kw = dict(block_size=8, num_gpu_blocks=24)  # 192 tokens for two 30000-token asks
     params = [
-        SamplingParams(max_new_tokens=30000, seed=s, ignore_eos=True,
-                       **(SEED_SAMPLING if sampling else {}))
+        SamplingParams(
+            max_new_tokens=30000, seed=s, ignore_eos=True, **(SEED_SAMPLING if sampling else {})
+        )
         for s in (1, 2)
     ]
     engine = engine_for(str(STORIES), **kw)
@@ -85,8 +86,9 @@ def test_extreme_block_sizes_match_solo(model_dirs, block_size, num_blocks):
     engine = engine_for(path, num_gpu_blocks=num_blocks, block_size=block_size)
     reqs = [engine.requests[engine.add_request(p, params)] for p in ps]
     run_to_end(engine)
-    assert [r.output_token_ids for r in reqs] == [e[: r.num_output_tokens] for r, e in
-                                                  zip(reqs, expected)]
+    assert [r.output_token_ids for r in reqs] == [
+        e[: r.num_output_tokens] for r, e in zip(reqs, expected)
+    ]
     if block_size == 1:
         assert engine.stats().num_preemptions > 0
 
@@ -157,10 +159,11 @@ def test_randomized_arrivals_aborts_and_preemptions(model_dirs):
     greedy outputs equal solo runs, no block leaks."""
     _, path = model_dirs("llama")
     rng = random.Random(1234)
-    engine = engine_for(path, num_gpu_blocks=24, block_size=4, max_prefill_token_num=12,
-                        max_batch_size=6)
+    engine = engine_for(
+        path, num_gpu_blocks=24, block_size=4, max_prefill_token_num=12, max_batch_size=6
+    )
     pending = []
-    for i in range(150):
+    for _ in range(150):
         prompt = [rng.randrange(3, 97) for _ in range(rng.randrange(1, 40))]
         params = SamplingParams(max_new_tokens=rng.randrange(1, 50), ignore_eos=True)
         pending.append((rng.randrange(0, 3000), prompt, params))
@@ -194,4 +197,3 @@ def test_randomized_arrivals_aborts_and_preemptions(model_dirs):
     for rid in sorted(finished)[:: max(1, len(finished) // 20)]:
         prompt, params = finished[rid]
         assert tokens[rid] == solo(path, prompt, params)
-

@@ -37,10 +37,18 @@ def qwen_dsr1_dir(tmp_path_factory):
         pytest.skip(f"../shared is absent ({src} not found)")
     tok = tf.AutoTokenizer.from_pretrained(src)
     torch.manual_seed(0)
-    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    cfg = tf.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32768,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     model = tf.Qwen2ForCausalLM(cfg).eval()
     shape_for_quick_eos(model, tok.eos_token_id, eos_logit=0.3)
     path = tmp_path_factory.mktemp("qwen2-dsr1")

@@ -9,13 +9,18 @@ import logging
 import pytest
 
 from steadylm import (
-    ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline,
+    ChatTemplateConfig,
+    GenerationConfig,
+    PytorchEngineConfig,
+    TurbomindEngineConfig,
+    pipeline,
 )
 from steadylm.errors import ConfigError, RequestError
 from tests.conftest import STORIES, hf_greedy, needs_shared
 
-SEED_BACKEND = dict(enable_prefix_caching=True, cache_max_entry_count=0.30, session_len=32768,
-                    quant_policy=4)
+SEED_BACKEND = dict(
+    enable_prefix_caching=True, cache_max_entry_count=0.30, session_len=32768, quant_policy=4
+)
 SEED_GEN = dict(top_p=0.8, top_k=40, temperature=0.8, do_sample=True, max_new_tokens=30000)
 
 
@@ -23,8 +28,9 @@ SEED_GEN = dict(top_p=0.8, top_k=40, temperature=0.8, do_sample=True, max_new_to
 def stories_pipe():
     if not STORIES.is_dir():
         pytest.skip(f"../shared is absent ({STORIES} not found)")
-    with pipeline(str(STORIES), backend_config=PytorchEngineConfig(num_gpu_blocks=256,
-                                                                   block_size=16)) as pipe:
+    with pipeline(
+        str(STORIES), backend_config=PytorchEngineConfig(num_gpu_blocks=256, block_size=16)
+    ) as pipe:
         yield pipe
 
 
@@ -108,8 +114,7 @@ def test_seeded_request_same_alone_and_in_a_batch(stories_pipe):
     gen = GenerationConfig(max_new_tokens=30, do_sample=True, random_seed=5, temperature=1.0)
     alone = stories_pipe("Once upon a time", gen_config=gen)
     other = GenerationConfig(max_new_tokens=30, do_sample=True, temperature=1.0)
-    mixed = stories_pipe(["The sun", "Once upon a time", "A bird"],
-                         gen_config=[other, gen, other])
+    mixed = stories_pipe(["The sun", "Once upon a time", "A bird"], gen_config=[other, gen, other])
     assert mixed[1].token_ids == alone.token_ids
 
 
@@ -119,12 +124,17 @@ def test_stop_words_span_token_boundaries(stories_pipe):
     full = stories_pipe("Once upon a time", gen_config=gen).text
     word = full[10:17]  # a piece that spans several tokens
     assert len(stories_pipe.tokenizer.encode(word, add_special_tokens=False)) > 1
-    stopped = stories_pipe("Once upon a time",
-                           gen_config=GenerationConfig(max_new_tokens=60, stop_words=[word]))
+    stopped = stories_pipe(
+        "Once upon a time", gen_config=GenerationConfig(max_new_tokens=60, stop_words=[word])
+    )
     assert stopped.finish_reason == "stop"
     assert stopped.text == full[: full.index(word)]
-    streamed = "".join(c.text for c in stories_pipe.stream_infer(
-        "Once upon a time", gen_config=GenerationConfig(max_new_tokens=60, stop_words=[word])))
+    streamed = "".join(
+        c.text
+        for c in stories_pipe.stream_infer(
+            "Once upon a time", gen_config=GenerationConfig(max_new_tokens=60, stop_words=[word])
+        )
+    )
     assert streamed == stopped.text
 
 
@@ -134,11 +144,13 @@ def test_min_new_tokens_and_ignore_eos(stories_pipe):
     base = stories_pipe("Once upon a time", gen_config=GenerationConfig(max_new_tokens=480))
     assert base.finish_reason == "stop" and base.generate_token_len < 400
     n = base.generate_token_len + 20
-    more = stories_pipe("Once upon a time",
-                        gen_config=GenerationConfig(max_new_tokens=480, min_new_tokens=n))
+    more = stories_pipe(
+        "Once upon a time", gen_config=GenerationConfig(max_new_tokens=480, min_new_tokens=n)
+    )
     assert more.generate_token_len >= n
-    ign = stories_pipe("Once upon a time",
-                       gen_config=GenerationConfig(max_new_tokens=300, ignore_eos=True))
+    ign = stories_pipe(
+        "Once upon a time", gen_config=GenerationConfig(max_new_tokens=300, ignore_eos=True)
+    )
     assert ign.finish_reason == "length" and ign.generate_token_len == 300
 
 
@@ -146,16 +158,18 @@ def test_min_new_tokens_and_ignore_eos(stories_pipe):
 def test_async_generate_and_chat(stories_pipe):
     async def run():
         chunks = []
-        async for r in stories_pipe.generate("Once upon a time", 7,
-                                             GenerationConfig(max_new_tokens=8, ignore_eos=True)):
+        async for r in stories_pipe.generate(
+            "Once upon a time", 7, GenerationConfig(max_new_tokens=8, ignore_eos=True)
+        ):
             chunks.append(r)
         return chunks
 
     chunks = asyncio.run(run())
     assert chunks[-1].finish_reason == "length" and all(c.index == 7 for c in chunks)
     assert sum(len(c.token_ids) for c in chunks) == 8
-    sess = stories_pipe.chat("Once upon a time",
-                             gen_config=GenerationConfig(max_new_tokens=5, ignore_eos=True))
+    sess = stories_pipe.chat(
+        "Once upon a time", gen_config=GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    )
     assert sess.response.generate_token_len == 5 and len(sess.history) == 2
 
 
@@ -165,31 +179,52 @@ def test_tqdm_progress(stories_pipe, capsys):
     assert "3/3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("field,value", [
-    ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.1), ("top_k", -1), ("min_p", 2.0),
-    ("max_new_tokens", 0), ("repetition_penalty", 0.0), ("n", 2), ("min_new_tokens", -3),
-    ("logprobs", -1), ("stop_words", "stop"), ("stop_token_ids", [-1]), ("random_seed", "x"),
-    ("response_format", {"type": "json_object"}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("temperature", -0.1),
+        ("top_k", -1),
+        ("min_p", 2.0),
+        ("max_new_tokens", 0),
+        ("repetition_penalty", 0.0),
+        ("n", 2),
+        ("min_new_tokens", -3),
+        ("logprobs", -1),
+        ("stop_words", "stop"),
+        ("stop_token_ids", [-1]),
+        ("random_seed", "x"),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
 def test_invalid_generation_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         GenerationConfig(**{field: value})
 
 
-@pytest.mark.parametrize("cls,field,value", [
-    (PytorchEngineConfig, "num_cpu_blocks", 100), (PytorchEngineConfig, "adapters", {"a": "b"}),
-    (PytorchEngineConfig, "dp", 2), (PytorchEngineConfig, "device_type", "ascend"),
-    (PytorchEngineConfig, "tp", 2), (TurbomindEngineConfig, "rope_scaling_factor", 2.0),
-    (TurbomindEngineConfig, "model_format", "gptq"), (PytorchEngineConfig, "quant_policy", 3),
-])
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (PytorchEngineConfig, "num_cpu_blocks", 100),
+        (PytorchEngineConfig, "adapters", {"a": "b"}),
+        (PytorchEngineConfig, "dp", 2),
+        (PytorchEngineConfig, "device_type", "ascend"),
+        (PytorchEngineConfig, "tp", 2),
+        (TurbomindEngineConfig, "rope_scaling_factor", 2.0),
+        (TurbomindEngineConfig, "model_format", "gptq"),
+        (PytorchEngineConfig, "quant_policy", 3),
+    ],
+)
 def test_unsupported_engine_fields_are_rejected(cls, field, value):
     with pytest.raises(ConfigError, match=field):
         cls(**{field: value}).to_engine_config()
 
 
 def test_engine_configs_map_lmdeploy_names():
-    ec = TurbomindEngineConfig(cache_block_seq_len=32, session_len=4096,
-                               cache_max_entry_count=0.5).to_engine_config()
+    ec = TurbomindEngineConfig(
+        cache_block_seq_len=32, session_len=4096, cache_max_entry_count=0.5
+    ).to_engine_config()
     assert (ec.block_size, ec.session_len, ec.cache_max_entry_count) == (32, 4096, 0.5)
     ec = PytorchEngineConfig(gpu_memory_utilization=0.9).to_engine_config()
     assert ec.cache_max_entry_count is None and ec.gpu_memory_utilization == 0.9
@@ -199,8 +234,11 @@ def test_engine_configs_map_lmdeploy_names():
 def test_chat_template_override(stories_pipe):
     from steadylm.tokenizer import PromptEncoder
 
-    enc = PromptEncoder(stories_pipe.tokenizer,
-                        ChatTemplateConfig(chat_template="{% for m in messages %}"
-                                           "{{ m['content'] }}!{% endfor %}").template_text())
+    enc = PromptEncoder(
+        stories_pipe.tokenizer,
+        ChatTemplateConfig(
+            chat_template="{% for m in messages %}{{ m['content'] }}!{% endfor %}"
+        ).template_text(),
+    )
     ids = enc.encode_messages([{"role": "user", "content": "Hi"}])
     assert stories_pipe.tokenizer.decode(ids, skip_special_tokens=True) == "Hi!"

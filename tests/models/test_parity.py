@@ -23,8 +23,15 @@ def engine_logits(engine, prompt: list[int]) -> torch.Tensor:
     table = torch.tensor([bm.block_table("probe")])
     pos = torch.arange(len(prompt))
     slots = table[0, pos // bm.block_size] * bm.block_size + pos % bm.block_size
-    group = AttentionGroup(0, len(prompt), table, torch.tensor([len(prompt)]),
-                           torch.tensor([len(prompt)]), len(prompt), len(prompt))
+    group = AttentionGroup(
+        0,
+        len(prompt),
+        table,
+        torch.tensor([len(prompt)]),
+        torch.tensor([len(prompt)]),
+        len(prompt),
+        len(prompt),
+    )
     md = AttentionMetadata(slots, [group], bm.block_size, engine.model_config.sliding_window)
     runner.backend.prepare(md)
     with torch.inference_mode():

@@ -22,8 +22,9 @@ def test_greedy_from_bos_matches_llama2c(reference):
     ref = reference["greedy_from_bos"]["token_ids"]
     engine = engine_for(str(STORIES), block_size=16, num_gpu_blocks=64)
     # The model ends a story by emitting BOS (eos [2, 1]); ignore it to run all 256 steps.
-    req = engine.generate([ref[:1]], SamplingParams(max_new_tokens=len(ref) - 1,
-                                                    ignore_eos=True))[0]
+    req = engine.generate([ref[:1]], SamplingParams(max_new_tokens=len(ref) - 1, ignore_eos=True))[
+        0
+    ]
     assert [ref[0]] + req.output_token_ids == ref
 
 
