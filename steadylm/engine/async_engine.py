@@ -35,10 +35,17 @@ class RequestStream:
         self._loop = loop
         self._sink = sink  # a queue shared by several streams gets (request_id, item) pairs
         self._sync: queue.Queue = queue.Queue()
-        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._async: asyncio.Queue | None = (
+            asyncio.Queue() if loop is not None and sink is None else None
+        )
 
     def put(self, item: object) -> None:
-        if self._sink is not None:
+        if self._sink is not None and self._loop is not None:  # an asyncio.Queue
+            try:
+                self._loop.call_soon_threadsafe(self._sink.put_nowait, (self.request_id, item))
+            except RuntimeError:
+                pass
+        elif self._sink is not None:
             self._sink.put((self.request_id, item))
         elif self._async is not None:
             try:
@@ -74,6 +81,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._streams: dict[str, RequestStream] = {}
+        self._pending_aborts: queue.SimpleQueue[tuple[str, RequestStatus]] = queue.SimpleQueue()
         self._stopping = False
         self.dead_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="steadylm-engine", daemon=True)
@@ -106,6 +114,28 @@ class AsyncEngine:
             if out is not None:
                 self._deliver([out])
 
+    def abort_nowait(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Abort without waiting for the lock (safe from an event loop or a finally block):
+        the loop applies it before its next step, so the blocks are freed within one step."""
+        self._pending_aborts.put((request_id, status))
+        if self._lock.acquire(blocking=False):  # idle loop: apply now
+            try:
+                self._drain_aborts()
+            finally:
+                self._lock.release()
+
+    def _drain_aborts(self) -> None:
+        while True:
+            try:
+                rid, status = self._pending_aborts.get_nowait()
+            except queue.Empty:
+                return
+            out = self.engine.abort(rid, status)
+            if out is not None:
+                self._deliver([out])
+
     def generate_sync(
         self, prompt, params: SamplingParams, request_id=None
     ) -> Iterator[RequestOutput]:
@@ -120,7 +150,7 @@ class AsyncEngine:
                 yield out
         finally:
             if stream.request_id in self._streams:  # the caller went away early
-                self.abort(stream.request_id)
+                self.abort_nowait(stream.request_id)
 
     def stats(self):
         with self._lock:
@@ -152,6 +182,7 @@ class AsyncEngine:
                     if self._stopping:
                         self._deliver(self.engine.abort_all())
                         return
+                    self._drain_aborts()
                     self._deliver(self.engine.step())
         except BaseException as exc:  # the loop itself broke: tell everyone, then stop
             self.dead_error = f"{type(exc).__name__}: {exc}"

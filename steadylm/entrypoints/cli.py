@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--random-seed", type=int, default=None)
     add_engine_flags(gen)
 
-    from steadylm.entrypoints import plan_cli
+    from steadylm.entrypoints import plan_cli, serve_cli
 
     plan_cli.add_parser(sub)
+    serve_cli.add_parser(sub, add_engine_flags)
     return parser
 
 
@@ -164,7 +165,13 @@ def _plan(args):
     return plan_cli.run(args)
 
 
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "plan": _plan}
+def _serve(args):
+    from steadylm.entrypoints import serve_cli
+
+    return serve_cli.run(args, engine_config_from_args(args))
+
+
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "plan": _plan, "serve": _serve}
 
 if __name__ == "__main__":
     sys.exit(main())

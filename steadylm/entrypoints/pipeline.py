@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,8 @@ from steadylm.engine.async_engine import CLOSED, AsyncEngine
 from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import RequestOutput, RequestStatus
 from steadylm.errors import RequestError
-from steadylm.tokenizer import IncrementalDetokenizer, PromptEncoder, load_tokenizer
+from steadylm.output import OutputProcessor, timing
+from steadylm.tokenizer import PromptEncoder, load_tokenizer
 
 logger = logging.getLogger("steadylm")
 
@@ -47,72 +47,50 @@ class _Request:
 
     def __init__(self, pipe: Pipeline, index: int, ids: list[int], gen: GenerationConfig):
         self.index, self.ids, self.gen = index, ids, gen
-        self.detok = IncrementalDetokenizer(
+        self.proc = OutputProcessor(
             pipe.tokenizer,
             ids,
+            pipe.engine.model_config.eos_token_ids,
+            gen.stop_words,
+            tuple(gen.stop_token_ids or ()),
             gen.skip_special_tokens,
             gen.spaces_between_special_tokens,
-            stop=gen.stop_words,
+            gen.ignore_eos,
         )
-        self.stops = set(gen.stop_token_ids or ()) | set(pipe.engine.model_config.eos_token_ids)
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] = []
-        self.text = ""
         self.request_id = ""
 
     def feed(self, out: RequestOutput, pipe: Pipeline) -> Response:
-        new = list(out.new_token_ids)
-        reason = out.finish_reason
-        if (
-            out.finished
-            and reason == "stop"
-            and new
-            and new[-1] in self.stops
-            and not self.gen.ignore_eos
-        ):
-            new = new[:-1]  # as LMDeploy: the stop token is not part of the output
-        delta = self.detok.add(new, final=out.finished)
-        if self.detok.stopped and not out.finished:
+        d = self.proc.feed(out)
+        if d.stop_string_hit:
             pipe.async_engine.abort(self.request_id, RequestStatus.FINISHED_STOPPED)
-        self.token_ids += new
-        self.logprobs += out.new_logprobs[: len(new)]
-        self.text += delta
         return Response(
-            text=delta,
-            generate_token_len=len(self.token_ids),
+            text=d.text,
+            generate_token_len=len(self.proc.token_ids),
             input_token_len=len(self.ids),
-            finish_reason=("stop" if self.detok.stopped else reason) if out.finished else None,
-            token_ids=new,
-            logprobs=out.new_logprobs[: len(new)] or None,
+            finish_reason=d.finish_reason,
+            token_ids=d.token_ids,
+            logprobs=d.logprobs or None,
             index=self.index,
-            error=out.error,
+            error=d.error,
             num_preemptions=out.num_preemptions,
-            **_timing(out, len(self.token_ids)),
+            **timing(out, len(self.proc.token_ids)),
         )
 
     def final(self, last: Response) -> Response:
+        p = self.proc
         return Response(
-            text=self.text,
-            generate_token_len=len(self.token_ids),
+            text=p.text,
+            generate_token_len=len(p.token_ids),
             input_token_len=len(self.ids),
             finish_reason=last.finish_reason,
-            token_ids=self.token_ids,
-            logprobs=self.logprobs or None,
+            token_ids=p.token_ids,
+            logprobs=p.logprobs or None,
             index=self.index,
             error=last.error,
             ttft_s=last.ttft_s,
             tokens_per_s=last.tokens_per_s,
             num_preemptions=last.num_preemptions,
         )
-
-
-def _timing(out: RequestOutput, n: int) -> dict:
-    if out.first_token_time is None:
-        return {}
-    ttft = out.first_token_time - out.arrival_time
-    end = out.finish_time or time.monotonic()
-    decode = end - out.first_token_time
-    return {"ttft_s": ttft, "tokens_per_s": (n - 1) / decode if n > 1 and decode > 0 else None}
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""Prometheus metrics for the server, in one registry per app. Gauges are read from the engine
+at scrape time, so they are never stale."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "steadylm_requests", "Finished requests", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("steadylm_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "steadylm_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "steadylm_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "steadylm_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "steadylm_rejected_requests", "Requests refused with 503", registry=r
+        )
+        self.running = Gauge("steadylm_num_requests_running", "Running requests", registry=r)
+        self.waiting = Gauge("steadylm_num_requests_waiting", "Waiting requests", registry=r)
+        self.kv_used = Gauge("steadylm_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("steadylm_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_usage = Gauge(
+            "steadylm_kv_cache_usage_ratio", "Share of KV blocks in use", registry=r
+        )
+        self.preemptions = Gauge("steadylm_num_preemptions", "Preemptions since start", registry=r)
+        self.hit_rate = Gauge(
+            "steadylm_prefix_cache_hit_rate", "Prefix cache tokens hit / tokens queried", registry=r
+        )
+        self.healthy = Gauge("steadylm_engine_healthy", "1 if the engine is healthy", registry=r)
+
+    def observe_finished(
+        self,
+        finish_reason: str | None,
+        num_prompt: int,
+        num_output: int,
+        ttft_s: float | None,
+        tokens_per_s: float | None,
+    ) -> None:
+        self.requests.labels(finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_output)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tokens_per_s:
+            self.tpot.observe(1.0 / tokens_per_s)
+
+    def render(self, stats, healthy: bool) -> bytes:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_blocks_used / max(1, stats.kv_blocks_total))
+        self.preemptions.set(stats.num_preemptions)
+        self.hit_rate.set(stats.prefix_cache_hit_rate)
+        self.healthy.set(1 if healthy else 0)
+        return generate_latest(self.registry)
