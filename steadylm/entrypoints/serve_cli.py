@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 logger = logging.getLogger("steadylm.server")
 
@@ -66,6 +67,9 @@ def run(args: argparse.Namespace, engine_config) -> int:
     def _shutdown() -> None:
         state.async_engine.shutdown()
 
+    # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the
+    # handler that was installed before it: make that a no-op so a graceful stop exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
     uvicorn.run(
         app,

@@ -226,8 +226,12 @@ async def _serve(state: ServerState, request: Request, body, prompts: list[list[
         )
     jobs = [(i * body.n + j, ids) for i, ids in enumerate(prompts) for j in range(body.n)]
     run = _Run(state, body, chat)
-    await run.start(jobs)
-    state.in_flight += 1
+    state.in_flight += 1  # counted from admission, so a slow start cannot let more in
+    try:
+        await run.start(jobs)
+    except BaseException:
+        state.in_flight -= 1
+        raise
     if body.stream:
         return StreamingResponse(_guard(run.sse(), state), media_type="text/event-stream")
     try:
@@ -310,8 +314,10 @@ class _Run:
             )
 
     def abort_open(self) -> None:
+        """The client went away (or a choice failed to start): end what is still running."""
         for rid in list(self.open):
             self.state.async_engine.abort_nowait(rid)
+            self.state.metrics.requests.labels("abort").inc()
         self.open.clear()
 
     async def deltas(self):
