@@ -9,6 +9,7 @@ calls raise `EngineDeadError` naming the cause: no caller is left waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -151,6 +152,12 @@ class AsyncEngine:
         finally:
             if stream.request_id in self._streams:  # the caller went away early
                 self.abort_nowait(stream.request_id)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[LLMEngine]:
+        """Hold the engine between steps (the loop steps only while holding this lock)."""
+        with self._lock:
+            yield self.engine
 
     def stats(self):
         with self._lock:

@@ -23,7 +23,7 @@ from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.block_manager import BlockManager
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from steadylm.engine.scheduler import Scheduler
+from steadylm.engine.scheduler import ScheduledRequest, Scheduler
 from steadylm.errors import RequestError
 from steadylm.memory import MemoryPlan, plan_memory
 
@@ -277,6 +277,38 @@ class LLMEngine:
         return self._outputs(reqs)
 
     # ---- convenience --------------------------------------------------------------------
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits (T, V) of every position of `token_ids`, computed through the paged cache
+        (chunked by max_prefill_token_num, KV quantization applied) and freed afterwards.
+        Call between steps; it needs enough free blocks for the whole sequence."""
+        ids = self._encode(token_ids)
+        self._check_prompt(ids[:-1] or ids)
+        req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=1))
+        bm = self.block_manager
+        if not bm.can_allocate(req, len(ids)):
+            raise RequestError(
+                f"scoring {len(ids)} tokens needs {bm.blocks_needed(len(ids))} free KV blocks; "
+                f"{bm.num_free_blocks} are free. Score when the engine is idle or shorten it.",
+                param="prompt",
+            )
+        bm.allocate(req, len(ids))
+        chunks = []
+        try:
+            while req.num_computed_tokens < len(ids):
+                n = min(len(ids) - req.num_computed_tokens, self.plan.max_prefill_token_num)
+                chunks.append(self.runner.all_logits(ScheduledRequest(req, n)))
+                req.num_computed_tokens += n
+        finally:
+            bm.free(req)
+        return torch.cat(chunks)
+
+    def perplexity(self, token_ids: list[int]) -> float:
+        """exp(mean negative log-likelihood of tokens 1..T-1 given their prefix)."""
+        logits = self.score(token_ids)
+        target = torch.tensor(token_ids[1:], device=logits.device)
+        nll = torch.nn.functional.cross_entropy(logits[:-1], target)
+        return float(torch.exp(nll))
+
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[Request]:

@@ -57,6 +57,14 @@ class ModelRunner:
             for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
         }
 
+    @torch.inference_mode()
+    def all_logits(self, s: ScheduledRequest) -> torch.Tensor:
+        """Logits of every new token of one scheduled chunk, (n, V) float32 (for scoring)."""
+        ids, positions, md = self._prepare([s])
+        self.backend.prepare(md)
+        hidden = self.model(ids, positions, self.backend, self.kv_cache, md)
+        return self.model.compute_logits(hidden)
+
     def _prepare(self, order: list[ScheduledRequest]):
         dev = self.device
         bs = self.bm.block_size

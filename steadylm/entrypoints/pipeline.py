@@ -273,6 +273,14 @@ class Pipeline:
         session.response = resp
         return session
 
+    def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float] | float:
+        """Perplexity of token ids, as LMDeploy's `get_ppl` (one float per sequence)."""
+        single = not (input_ids and isinstance(input_ids[0], list))
+        batch = [input_ids] if single else input_ids
+        with self.async_engine.paused():
+            out = [self.engine.perplexity(list(ids)) for ids in batch]
+        return out[0] if single else out
+
     def close(self) -> None:
         self.async_engine.shutdown()
 

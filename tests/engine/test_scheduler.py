@@ -154,17 +154,29 @@ def test_empty_step_is_legal(model_dirs):
 
 
 @pytest.mark.timeout(240)
-def test_randomized_arrivals_aborts_and_preemptions(model_dirs):
+@pytest.mark.parametrize(
+    "caching,quant", [(False, 0), (True, 0), (True, 8)], ids=["plain", "prefix", "prefix+int8"]
+)
+def test_randomized_arrivals_aborts_and_preemptions(model_dirs, caching, quant):
     """Thousands of steps on a tight pool: integrity after every step, every request ends,
-    greedy outputs equal solo runs, no block leaks."""
+    greedy outputs equal solo runs, no block leaks. Prompts share prefixes, so with prefix
+    caching on, hits, shared blocks and evictions all happen under preemption."""
     _, path = model_dirs("llama")
     rng = random.Random(1234)
     engine = engine_for(
-        path, num_gpu_blocks=24, block_size=4, max_prefill_token_num=12, max_batch_size=6
+        path,
+        num_gpu_blocks=24,
+        block_size=4,
+        max_prefill_token_num=12,
+        max_batch_size=6,
+        enable_prefix_caching=caching,
+        quant_policy=quant,
     )
+    prefixes = [[rng.randrange(3, 97) for _ in range(24)] for _ in range(4)]
     pending = []
     for _ in range(150):
-        prompt = [rng.randrange(3, 97) for _ in range(rng.randrange(1, 40))]
+        head = rng.choice(prefixes)[: rng.randrange(0, 24)]
+        prompt = head + [rng.randrange(3, 97) for _ in range(rng.randrange(1, 16))]
         params = SamplingParams(max_new_tokens=rng.randrange(1, 50), ignore_eos=True)
         pending.append((rng.randrange(0, 3000), prompt, params))
     pending.sort(key=lambda x: x[0])
@@ -196,4 +208,6 @@ def test_randomized_arrivals_aborts_and_preemptions(model_dirs):
     # Compare a sample of requests with solo runs (greedy must be unaffected by batching).
     for rid in sorted(finished)[:: max(1, len(finished) // 20)]:
         prompt, params = finished[rid]
-        assert tokens[rid] == solo(path, prompt, params)
+        assert tokens[rid] == solo(path, prompt, params, quant_policy=quant)
+    if caching:
+        assert engine.block_manager.hit_rate > 0.05

@@ -535,7 +535,7 @@ def test_bounded_queue_answers_503_with_retry_after():
     with inproc_server(max_concurrent_requests=1) as (base, state):
         body = {"model": MODEL, "prompt": "a", "max_tokens": 4}
         result = {}
-        with state.async_engine._lock:  # the engine is busy: request 1 waits to be admitted
+        with state.async_engine.paused():  # the engine is busy: request 1 waits to be admitted
             t = threading.Thread(
                 target=lambda: result.update(
                     r=httpx.post(f"{base}/v1/completions", json=body, timeout=30)
