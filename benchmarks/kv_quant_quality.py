@@ -97,9 +97,9 @@ def stories_texts() -> list[list[int]]:
 
 
 def random_hd128(seed: int = 0):
-    from steadylm.demo import build_random_model, preset_config
-
     from transformers import LlamaConfig
+
+    from steadylm.demo import build_random_model
 
     cfg = LlamaConfig(
         vocab_size=2048,
@@ -113,7 +113,6 @@ def random_hd128(seed: int = 0):
         architectures=["LlamaForCausalLM"],
         tie_word_embeddings=True,
     )
-    del preset_config
     model = build_random_model(cfg, seed=seed)
     with torch.no_grad():  # larger weights than 0.02 so the model has a real distribution
         for name, p in model.named_parameters():
