@@ -78,6 +78,10 @@ def tensor_shapes(files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
 def create_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model with uninitialised parameters of `dtype` directly on `device`."""
     cls = get_model_class(cfg.architecture)
+    if cfg.quantization:
+        from steadylm.layers.awq import check_awq_config
+
+        check_awq_config(cfg.quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -115,7 +119,14 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
         except ModelLoadError as exc:
             raise ModelLoadError(f"{path}: tensor {name!r}: {exc.message}") from None
         loaded.add((target, shard))
-    missing = sorted(f"{n} (shard {s})" if s is not None else n for n, s in expected - loaded)
+    _check_missing(expected - loaded, files)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+
+
+def _check_missing(missing_pairs: set, files: list[str]) -> None:
+    missing = sorted(f"{n} (shard {s})" if s is not None else n for n, s in missing_pairs)
     if missing:
         names = ", ".join(os.path.basename(f) for f in files)
         raise ModelLoadError(
@@ -138,7 +149,7 @@ def _expected_loads(model: nn.Module, params: dict, cfg: ModelConfig) -> set[tup
             continue
         module = model.get_submodule(name.rsplit(".", 1)[0])
         sizes = getattr(module, "output_sizes", None)
-        if sizes is None:
+        if sizes is None or len(sizes) == 1:
             expected.add((name, None))
         else:
             expected.update((name, i) for i in range(len(sizes)))
@@ -170,4 +181,18 @@ def weight_bytes_from_files(files: list[str], dtype: torch.dtype) -> int:
             n *= d
         is_float = st_dtype in ("F64", "F32", "F16", "BF16")
         total += n * (size if is_float else _HEADER_DTYPE_BYTES.get(st_dtype, 4))
+    return total
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy now (parameters, and repacked int4 kernels)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for m in model.modules():
+        kernel = getattr(m, "kernel", None)
+        if kernel is not None and getattr(m, "qweight", 0) is None:  # repacked int4
+            total += kernel.num_bytes()
     return total

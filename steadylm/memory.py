@@ -41,24 +41,36 @@ def kv_bytes_per_token(cfg: ModelConfig, quant_policy: int, dtype_bytes: int, tp
     return cfg.num_layers * 2 * heads * per_head
 
 
-def linear_bytes(n_in: int, n_out: int, dtype_bytes: int, awq_group: int | None) -> int:
-    """Weight bytes of one linear layer (no bias). AWQ GEMM: qweight int32 (in, out/8), qzeros
-    int32 (in/g, out/8), scales fp16 (in/g, out)."""
+def linear_bytes(
+    n_in: int, n_out: int, dtype_bytes: int, awq_group: int | None, layout: str = "checkpoint"
+) -> int:
+    """Weight bytes of one linear layer (no bias).
+
+    AWQ "checkpoint" layout (AutoAWQ GEMM): qweight int32 (in, out/8), qzeros int32
+    (in/g, out/8), scales fp16 (in/g, out). "runtime": what steadylm holds after repacking for
+    torch's int4 kernel, the 4-bit codes (in * out / 2 bytes) plus bf16 scale and zero per group
+    and output (in/g, out, 2); layers whose shape the kernel cannot take (out % 16) keep the
+    checkpoint layout and use the reference kernel."""
     if awq_group is None:
         return n_in * n_out * dtype_bytes
     groups = math.ceil(n_in / awq_group)
+    if layout == "runtime" and n_out % 16 == 0 and awq_group in (32, 64, 128, 256):
+        return n_in * n_out // 2 + groups * n_out * 2 * 2
     return n_in * n_out // 2 + groups * n_out // 2 + groups * n_out * 2
 
 
-def weight_bytes_from_config(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+def weight_bytes_from_config(
+    cfg: ModelConfig, dtype_bytes: int, tp: int = 1, layout: str = "checkpoint"
+) -> int:
     """Per-device weight bytes, counted from the architecture alone (no files read)."""
     awq = awq_group_size(cfg)
     c, i = cfg.hidden_size, cfg.intermediate_size
+    lb = lambda n_in, n_out: linear_bytes(n_in, n_out, dtype_bytes, awq, layout)  # noqa: E731
     per_layer = (
-        linear_bytes(c, cfg.q_size + 2 * cfg.kv_size, dtype_bytes, awq)
-        + linear_bytes(cfg.q_size, c, dtype_bytes, awq)
-        + linear_bytes(c, 2 * i, dtype_bytes, awq)
-        + linear_bytes(i, c, dtype_bytes, awq)
+        lb(c, cfg.q_size + 2 * cfg.kv_size)  # merged qkv_proj
+        + lb(cfg.q_size, c)
+        + lb(c, 2 * i)  # merged gate_up_proj
+        + lb(i, c)
         + 2 * c * dtype_bytes
     )
     if cfg.architecture.startswith("Qwen2") or cfg.attention_bias:

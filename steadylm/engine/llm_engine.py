@@ -113,22 +113,30 @@ class LLMEngine:
         cls, model_dir: str, config: EngineConfig | None = None, tokenizer: Any = None
     ) -> LLMEngine:
         from steadylm.loader import load_model, safetensors_files, weight_bytes_from_files
+        from steadylm.memory import weight_bytes_from_config
 
         config = config or EngineConfig()
         mc = ModelConfig.from_path(model_dir)
         device = platform.resolve_device(config.device)
         dtype = platform.resolve_dtype(config.dtype, mc, device)
         files = safetensors_files(model_dir)
-        plan = make_plan(mc, config, device, dtype, weight_bytes_from_files(files, dtype))
+        if mc.quantization:  # AWQ: the repacked int4 layout steadylm will hold
+            size = torch.tensor([], dtype=dtype).element_size()
+            weights = weight_bytes_from_config(mc, size, layout="runtime")
+        else:
+            weights = weight_bytes_from_files(files, dtype)
+        plan = make_plan(mc, config, device, dtype, weights)
         model = load_model(model_dir, mc, dtype, device)
         return cls(model, mc, config, plan, device, dtype, tokenizer)
 
     @classmethod
     def from_model(cls, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> LLMEngine:
         """Wrap an already-built model (tests, the demo)."""
+        from steadylm.loader import model_weight_bytes
+
         mc = model.cfg
         param = next(model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = model_weight_bytes(model)
         plan = make_plan(mc, config, param.device, param.dtype, weights)
         return cls(model, mc, config, plan, param.device, param.dtype, tokenizer)
 

@@ -12,7 +12,15 @@ import torch
 from steadylm import catalog
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.errors import ConfigError
-from steadylm.memory import DTYPE_BYTES, DeviceMemory, GiB, MemoryPlan, fmt_bytes, plan_memory
+from steadylm.memory import (
+    DTYPE_BYTES,
+    DeviceMemory,
+    GiB,
+    MemoryPlan,
+    fmt_bytes,
+    plan_memory,
+    weight_bytes_from_config,
+)
 
 # What a CUDA context and the allocator take before the engine loads anything; measured free
 # memory replaces this assumption at real startup.
@@ -132,7 +140,9 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         cache_max_entry_count=args.cache_max_entry_count,
     )
     weights = None
-    if model_dir is not None:
+    if mc.quantization:
+        weights = weight_bytes_from_config(mc, DTYPE_BYTES[dtype], args.tp, layout="runtime")
+    elif model_dir is not None:
         from steadylm.loader import safetensors_files, weight_bytes_from_files
 
         try:

@@ -64,3 +64,21 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
+
+
+def make_linear(
+    cfg, in_features: int, output_sizes: list[int], bias: bool, names: list[str]
+) -> nn.Module:
+    """The linear layer for checkpoint modules `names` (their full dotted names): AWQ when the
+    checkpoint is AWQ-quantized and none of them is in modules_to_not_convert, else dense."""
+    quant = cfg.quantization
+    if quant:
+        from steadylm.layers.awq import AWQLinear, check_awq_config
+
+        group = check_awq_config(quant)
+        skip = quant.get("modules_to_not_convert") or []
+        if not any(s in n for s in skip for n in names):
+            return AWQLinear(in_features, output_sizes, bias, group)
+    if len(output_sizes) == 1:
+        return Linear(in_features, output_sizes[0], bias)
+    return MergedLinear(in_features, output_sizes, bias)

@@ -8,7 +8,7 @@ from torch import nn
 
 from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
-from steadylm.layers.linear import Linear, MergedLinear, default_weight_loader
+from steadylm.layers.linear import Linear, default_weight_loader, make_linear
 from steadylm.layers.norm import RMSNorm
 from steadylm.layers.rotary import RotaryEmbedding
 from steadylm.models.registry import register
@@ -23,10 +23,15 @@ class Attention(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias
+        at = f"model.layers.{layer}.self_attn."
+        self.qkv_proj = make_linear(
+            cfg,
+            cfg.hidden_size,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            qkv_bias,
+            [at + "q_proj", at + "k_proj", at + "v_proj"],
         )
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, o_bias)
+        self.o_proj = make_linear(cfg, cfg.q_size, [cfg.hidden_size], o_bias, [at + "o_proj"])
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
@@ -48,10 +53,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        at = f"model.layers.{layer}.mlp."
+        self.gate_up_proj = make_linear(
+            cfg,
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            False,
+            [at + "gate_proj", at + "up_proj"],
+        )
+        self.down_proj = make_linear(
+            cfg, cfg.intermediate_size, [cfg.hidden_size], False, [at + "down_proj"]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -62,7 +76,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, **attn_flags: bool):
         super().__init__()
         self.self_attn = Attention(cfg, layer, **attn_flags)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

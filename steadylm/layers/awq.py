@@ -1,0 +1,229 @@
+"""AWQ 4-bit weights (W4A16), kept in 4 bits, on torch's own int4 weight-only matmul.
+
+Checkpoint format (AutoAWQ, `version: gemm`), for a linear layer with K inputs, N outputs and
+group size g:
+  qweight int32 (K, N/8)   eight 4-bit codes per int32, in AutoAWQ's interleaved order: nibble
+                           i (bits 4i..4i+3) of packed column c holds output column
+                           8c + AWQ_ORDER[i], AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+  qzeros  int32 (K/g, N/8) the zero points, packed the same way
+  scales  fp16  (K/g, N)
+  dequantized W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]; y = x @ W
+(AutoAWQ's `pack` in awq/modules/linear/gemm.py and the `AWQ_ORDER` / `AWQ_REVERSE_ORDER`
+constants of its utils/packing_utils.py.)
+
+At load time the codes are repacked for a kernel behind `Int4Kernel`: torch's
+`_weight_int4pack_mm_for_cpu` (activations in bf16: measured fastest on this CPU, see
+docs/benchmarks.md), `_weight_int4pack_mm` on CUDA, or the pure-torch reference
+(dequantize, then matmul) where a kernel's shape rules are not met. The kernels' affine form
+is w = (q - 8) * scale + zero, so zero = (8 - z) * s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steadylm.errors import ModelLoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def check_awq_config(quant: dict[str, Any]) -> int:
+    """Validate a config.json quantization_config; return the group size."""
+    method = str(quant.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ModelLoadError(
+            f"quantization_config.quant_method={method!r} is not supported; "
+            "steadylm loads AWQ (quant_method 'awq') checkpoints"
+        )
+    rules = [
+        ("bits", quant.get("bits", quant.get("w_bit")), lambda v: v == 4, "only 4-bit AWQ"),
+        (
+            "zero_point",
+            quant.get("zero_point", True),
+            lambda v: v is True,
+            "only zero_point: true (asymmetric) AWQ",
+        ),
+        (
+            "version",
+            str(quant.get("version", "gemm")).lower(),
+            lambda v: v == "gemm",
+            "only version 'gemm' packing (re-export gemv checkpoints with AutoAWQ as gemm)",
+        ),
+        ("desc_act", quant.get("desc_act", False), lambda v: not v, "no act-order"),
+    ]
+    for name, value, ok, what in rules:
+        if not ok(value):
+            raise ModelLoadError(
+                f"quantization_config.{name}={value!r} is not supported: steadylm loads {what}"
+            )
+    group = int(quant.get("group_size", quant.get("q_group_size", 128)))
+    if group == 0 or group < -1:
+        raise ModelLoadError(f"quantization_config.group_size={group} is invalid")
+    return group
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 (R, C/8) in AWQ order -> int32 codes (R, C) in natural column order."""
+    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # (R, C/8, 8)
+    return nibbles[..., list(AWQ_REVERSE_ORDER)].flatten(-2)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int codes (R, C) in 0..15 -> int32 (R, C/8) in AWQ order (the inverse of unpack_int4)."""
+    grouped = codes.to(torch.int64).view(*codes.shape[:-1], -1, 8)[..., list(AWQ_ORDER)]
+    packed = (grouped << _SHIFTS.to(torch.int64).to(codes.device)).sum(-1)
+    return packed.to(torch.int32)  # wraps the top nibble into the sign bit, as AutoAWQ does
+
+
+def dequantize(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    """-> dense weight (N, K) in scales.dtype, torch's Linear layout."""
+    q = unpack_int4(qweight)  # (K, N)
+    z = unpack_int4(qzeros)  # (K/g, N)
+    k = q.shape[0]
+    w = (q.view(k // group, group, -1) - z[:, None, :]) * scales[:, None, :].float()
+    return w.view(k, -1).t().to(scales.dtype).contiguous()
+
+
+class Int4Kernel:
+    """A repacked weight and its matmul: y (M, N) = x (M, K) @ W^T."""
+
+    name = "base"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def num_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
+        )
+
+
+class ReferenceInt4Kernel(Int4Kernel):
+    """Pure torch: keep the codes in 4 bits, dequantize per call, then a dense matmul."""
+
+    name = "reference"
+
+    def __init__(self, qweight, qzeros, scales, group: int, dtype: torch.dtype) -> None:
+        self.qweight, self.qzeros, self.scales, self.group = qweight, qzeros, scales, group
+        self.dtype = dtype
+
+    def apply(self, x):
+        w = dequantize(self.qweight, self.qzeros, self.scales.float(), self.group).to(x.dtype)
+        return F.linear(x, w)
+
+
+class TorchInt4Kernel(Int4Kernel):
+    """torch's tinygemm int4 kernels: `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm`."""
+
+    name = "torch-int4"
+
+    def __init__(self, qweight, qzeros, scales, group: int) -> None:
+        q = unpack_int4(qweight).t().contiguous()  # (N, K) int32
+        z = unpack_int4(qzeros).float()  # (K/g, N)
+        s = scales.float()
+        self.group = group
+        self.act_dtype = torch.bfloat16
+        self.cuda = q.is_cuda
+        if self.cuda:
+            k = q.shape[1]
+            tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+            u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
+        else:
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.scale_zero = torch.stack([s, (8 - z) * s], dim=-1).to(self.act_dtype).contiguous()
+
+    @staticmethod
+    def supports(n: int, k: int, group: int, device: torch.device) -> bool:
+        if group not in (32, 64, 128, 256) or k % group:
+            return False
+        if device.type == "cuda":
+            return n % 8 == 0 and k % 32 == 0
+        return n % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+    def apply(self, x):
+        xa = x.to(self.act_dtype)
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(xa, self.weight, self.group, self.scale_zero)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xa, self.weight, self.group, self.scale_zero
+            )
+        return y.to(x.dtype)
+
+
+class AWQLinear(nn.Module):
+    """A (possibly merged) AWQ linear layer. Loads qweight / qzeros / scales per shard, then
+    `process_weights_after_loading` repacks them into an `Int4Kernel` and drops the originals,
+    so the weight stays at 4 bits in memory."""
+
+    kernel_choice = "auto"  # "auto" or "reference" (tests and debugging)
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, group: int):
+        super().__init__()
+        group = in_features if group == -1 else group
+        n = sum(output_sizes)
+        for size in output_sizes:
+            if size % 8:
+                raise ModelLoadError(f"AWQ needs output sizes divisible by 8; got {size}")
+        if in_features % group:
+            raise ModelLoadError(
+                f"in_features {in_features} is not a multiple of "
+                f"quantization_config.group_size={group}"
+            )
+        self.in_features, self.out_features, self.group = in_features, n, group
+        self.output_sizes = output_sizes
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        g = in_features // group
+        self.qweight = self._param(torch.empty(in_features, n // 8, dtype=torch.int32), 8)
+        self.qzeros = self._param(torch.empty(g, n // 8, dtype=torch.int32), 8)
+        self.scales = self._param(torch.empty(g, n, dtype=torch.float16), 1)
+        self.bias = self._param(torch.empty(n), 1, dim=0) if bias else None
+        self.kernel: Int4Kernel | None = None
+
+    def _param(self, t: torch.Tensor, pack: int, dim: int = 1) -> nn.Parameter:
+        p = nn.Parameter(t, requires_grad=False)
+
+        def load(param, loaded, shard_id=None):
+            if shard_id is None:
+                target = param.data
+            else:
+                start, size = self.offsets[shard_id] // pack, self.output_sizes[shard_id] // pack
+                target = param.data.narrow(dim, start, size)
+            if target.shape != loaded.shape:
+                raise ModelLoadError(
+                    f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
+                )
+            target.copy_(loaded)
+
+        p.weight_loader = load
+        return p
+
+    def process_weights_after_loading(self) -> None:
+        qw, qz, sc = self.qweight.data, self.qzeros.data, self.scales.data
+        if self.kernel_choice == "auto" and TorchInt4Kernel.supports(
+            self.out_features, self.in_features, self.group, qw.device
+        ):
+            self.kernel = TorchInt4Kernel(qw, qz, sc, self.group)
+        else:
+            self.kernel = ReferenceInt4Kernel(qw, qz, sc, self.group, sc.dtype)
+        if isinstance(self.kernel, TorchInt4Kernel):
+            del self.qweight, self.qzeros, self.scales  # only the repacked 4-bit copy stays
+            self.qweight = self.qzeros = self.scales = None
+
+    def weight_bytes(self) -> int:
+        b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        return self.kernel.num_bytes() + b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel.apply(x)
+        return y + self.bias if self.bias is not None else y
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.output_sizes, dim=-1)
