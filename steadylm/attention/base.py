@@ -45,6 +45,11 @@ class KVCache:
     quant_policy: int = 0
     k_scale_zero: torch.Tensor | None = None  # (L, num_blocks, block_size, Hkv, 2)
     v_scale_zero: torch.Tensor | None = None
+    initialized: torch.Tensor | None = None  # (num_blocks,) bool: block zeroed once used
+
+    def __post_init__(self) -> None:
+        if self.initialized is None:
+            self.initialized = torch.zeros(self.k.shape[1], dtype=torch.bool, device=self.k.device)
 
     @property
     def num_bytes(self) -> int:
@@ -68,8 +73,9 @@ class AttentionBackend(ABC):
         quant_policy: int = 0,
     ) -> KVCache: ...
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        """Build per-step index tensors once; every layer reuses them."""
+    def prepare(self, metadata: AttentionMetadata, cache: KVCache) -> None:
+        """Build per-step index tensors once (every layer reuses them) and make the blocks
+        this step reads safe to read."""
 
     @abstractmethod
     def write(

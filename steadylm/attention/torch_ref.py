@@ -58,9 +58,8 @@ class TorchAttentionBackend(AttentionBackend):
         device,
         quant_policy=0,
     ) -> KVCache:
-        # Uninitialised on purpose: a slot is always written before any query can see it, and
-        # padded gather positions are clamped to written slots (see _prepare_tile). On CPU the
-        # pages then cost memory only once used.
+        # Uninitialised on purpose: blocks are zeroed the first time they are used
+        # (_zero_new_blocks), so on CPU the pages cost memory only once used.
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         if quant_policy == 0:
             return KVCache(
@@ -76,7 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
             v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
         )
 
-    def prepare(self, md: AttentionMetadata) -> None:
+    def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
+        _zero_new_blocks(cache, md)
         for g in md.groups:
             g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
@@ -98,8 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for g in md.groups:
             for t in g.prepared["tiles"]:
-                k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["kv_index"], q.dtype)
-                v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["kv_index"], q.dtype)
+                k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["blocks"], q.dtype)
+                v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["blocks"], q.dtype)
                 qp = q[t["q_index"]]  # (S, Q, H, D)
                 o = F.scaled_dot_product_attention(
                     qp.transpose(1, 2),
@@ -122,19 +122,36 @@ def workspace_tokens(max_context: int) -> int:
     return max(ATTN_WORKSPACE_TOKENS, max_context)
 
 
-def _gather(cache: KVCache, data, params, layer: int, kv_index, dtype) -> torch.Tensor:
-    # kv_index (S, C) flat slots -> (S, C, Hkv, D)
-    flat = data[layer].flatten(0, 1)
+def _gather(cache: KVCache, data, params, layer: int, blocks, dtype) -> torch.Tensor:
+    # Whole blocks, so each copy is one contiguous block: blocks (S, NB) -> (S, NB*bs, Hkv, D)
+    s, nb = blocks.shape
+    flat_ids = blocks.flatten()
+    kv = data[layer].index_select(0, flat_ids).view(s, -1, *data.shape[3:])
     if cache.quant_policy == 0:
-        return flat[kv_index]
-    sz = params[layer].flatten(0, 1)[kv_index]
-    return dequantize_kv(flat[kv_index], sz, cache.quant_policy).to(dtype)
+        return kv
+    sz = params[layer].index_select(0, flat_ids).view(s, -1, *params.shape[3:])
+    return dequantize_kv(kv, sz, cache.quant_policy).to(dtype)
+
+
+def _zero_new_blocks(cache: KVCache, md: AttentionMetadata) -> None:
+    """The pool is allocated uninitialised (its pages cost nothing until used). The gather
+    reads whole blocks, including slots past a sequence's end and padding entries (block 0),
+    so a block is zeroed the first time any table names it: masked slots then hold finite
+    values, never NaN. Only ever-used blocks are touched."""
+    ids = torch.cat([g.block_tables.flatten() for g in md.groups]).unique()
+    fresh = ids[~cache.initialized[ids]]
+    if fresh.numel() == 0:
+        return
+    for t in (cache.k, cache.v, cache.k_scale_zero, cache.v_scale_zero):
+        if t is not None:
+            t.index_fill_(1, fresh, 0)
+    cache.initialized[fresh] = True
 
 
 def _tiles(g: AttentionGroup, block_size: int, window: int | None) -> list[dict]:
     """Split a group into tiles of sequences with similar context lengths, so that the padded
     gather (tile size x longest context) stays under the workspace bound."""
-    ctx = g.context_lens.tolist()
+    ctx = [-(-c // block_size) * block_size for c in g.context_lens.tolist()]  # whole blocks
     order = sorted(range(len(ctx)), key=ctx.__getitem__)
     limit = workspace_tokens(max(ctx))
     tiles, current = [], []
@@ -153,12 +170,9 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     context_lens, query_lens = g.context_lens[sel], g.query_lens[sel]  # (S,)
     tables = g.block_tables[sel]
     max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
-    ctx = torch.arange(max_ctx, device=device)  # (C,)
-    # Padding positions past a sequence's context read its last written slot instead of
-    # unwritten memory (which may hold NaN); the mask hides them either way.
-    pos = torch.minimum(ctx[None, :], (context_lens - 1)[:, None])  # (S, C)
-    blocks = tables.gather(1, pos // block_size)
-    kv_index = blocks * block_size + pos % block_size  # (S, C)
+    num_blocks = -(-max_ctx // block_size)
+    blocks = tables[:, :num_blocks]  # (S, NB): padding entries name block 0, masked below
+    ctx = torch.arange(num_blocks * block_size, device=device)  # (C,)
     qpos = torch.arange(max_q, device=device)  # (Q,)
     q_valid = qpos[None, :] < query_lens[:, None]  # (S, Q)
     # Absolute position of query t of sequence s: context_len - query_len + t.
@@ -172,7 +186,7 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     starts = g.token_start + (torch.cumsum(g.query_lens, 0) - g.query_lens)[sel]  # (S,)
     q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - 1)  # (S, Q) flat ids
     return {
-        "kv_index": kv_index,
+        "blocks": blocks,
         "mask": mask[:, None],
         "q_valid": q_valid,
         "q_index": q_index,

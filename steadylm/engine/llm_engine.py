@@ -38,6 +38,8 @@ class StepRecord:
     num_tokens: int
     kv_blocks_used: int
     seconds: float
+    model_seconds: float = 0.0  # of which inside the model forward and logits
+    num_preempted: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        m0 = self.runner.model_seconds
         out = self.scheduler.schedule()
         try:
             sampled = self.runner.execute(out)
@@ -227,7 +230,14 @@ class LLMEngine:
         used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
         self.step_log.append(
-            StepRecord(len(out.scheduled), out.num_tokens, used, time.perf_counter() - t0)
+            StepRecord(
+                len(out.scheduled),
+                out.num_tokens,
+                used,
+                time.perf_counter() - t0,
+                self.runner.model_seconds - m0,
+                len(out.preempted),
+            )
         )
         touched = [s.request for s in out.scheduled] + out.errored
         self._maybe_log_stats()

@@ -8,6 +8,8 @@ its own attention call.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -34,6 +36,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.sliding_window = model.cfg.sliding_window
+        self.model_seconds = 0.0  # time inside the model forward + logits (benchmarks read it)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
@@ -42,14 +45,19 @@ class ModelRunner:
             return {}
         order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         ids, positions, md = self._prepare(order)
-        self.backend.prepare(md)
+        self.backend.prepare(md, self.kv_cache)
+        t0 = time.perf_counter()
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
         sampling = [s for s in order if s.samples]
         if not sampling:
+            self.model_seconds += time.perf_counter() - t0
             return {}
         ends = torch.tensor([s.num_new_tokens for s in order]).cumsum(0)
         rows = torch.tensor([i for i, s in enumerate(order) if s.samples])
         logits = self.model.compute_logits(hidden[(ends[rows] - 1).to(self.device)])  # (S, V)
+        if logits.is_cuda:
+            torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
+        self.model_seconds += time.perf_counter() - t0
         requests = [s.request for s in sampling]
         result = self.sampler(logits, requests)
         return {
@@ -61,7 +69,7 @@ class ModelRunner:
     def all_logits(self, s: ScheduledRequest) -> torch.Tensor:
         """Logits of every new token of one scheduled chunk, (n, V) float32 (for scoring)."""
         ids, positions, md = self._prepare([s])
-        self.backend.prepare(md)
+        self.backend.prepare(md, self.kv_cache)
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)
         return self.model.compute_logits(hidden)
 

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_parser(sub)
     serve_cli.add_parser(sub, add_engine_flags)
+    from steadylm import bench
+
+    bench.add_parser(sub, add_engine_flags)
     return parser
 
 
@@ -171,7 +174,19 @@ def _serve(args):
     return serve_cli.run(args, engine_config_from_args(args))
 
 
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "plan": _plan, "serve": _serve}
+def _bench(args):
+    from steadylm import bench
+
+    return bench.run(args)
+
+
+COMMANDS = {
+    "demo": cmd_demo,
+    "generate": cmd_generate,
+    "plan": _plan,
+    "serve": _serve,
+    "bench": _bench,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from steadylm.layers.linear import default_weight_loader
@@ -16,7 +17,6 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # One fused kernel for x * rsqrt(mean(x^2) + eps) in fp32, as HF does, then the weight.
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * h.to(x.dtype)

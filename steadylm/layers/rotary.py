@@ -46,17 +46,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """One per model: cos/sin are computed once per step and shared by every layer."""
+
     def __init__(self, hf_config: Any, head_dim: int) -> None:
         super().__init__()
         inv_freq, self.scale = inv_freq_and_scale(hf_config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,), q (T, H, D), k (T, Hkv, D)
         freqs = positions[:, None].float() * self.inv_freq  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # (T, 1, D)
-        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos = (emb.cos() * self.scale).to(dtype)[:, None, :]  # (T, 1, D)
+        sin = (emb.sin() * self.scale).to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, D), k (T, Hkv, D); cos, sin (T, 1, D)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

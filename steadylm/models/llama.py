@@ -10,7 +10,7 @@ from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
 from steadylm.layers.linear import Linear, default_weight_loader, make_linear
 from steadylm.layers.norm import RMSNorm
-from steadylm.layers.rotary import RotaryEmbedding
+from steadylm.layers.rotary import RotaryEmbedding, apply_rotary
 from steadylm.models.registry import register
 
 
@@ -34,19 +34,16 @@ class Attention(nn.Module):
         self.o_proj = make_linear(cfg, cfg.q_size, [cfg.hidden_size], o_bias, [at + "o_proj"])
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self, x, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata
-    ):
+    def forward(self, x, rope, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (T, H*D), (T, Hkv*D) x2
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         backend.write(cache, self.layer, k, v, md)
         o = backend.forward(q, cache, self.layer, md, self.scale)  # (T, H, D)
         return self.o_proj(o.flatten(1))
@@ -80,8 +77,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, backend, cache, md):
-        x = x + self.self_attn(self.input_layernorm(x), positions, backend, cache, md)
+    def forward(self, x, rope, backend, cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -103,11 +100,13 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, i, **attn_flags) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
 
     def forward(self, ids, positions, backend, cache, md):
         x = self.embed_tokens(ids)  # (T, C)
+        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, for every layer
         for layer in self.layers:
-            x = layer(x, positions, backend, cache, md)
+            x = layer(x, rope, backend, cache, md)
         return self.norm(x)
 
 

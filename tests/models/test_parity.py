@@ -33,7 +33,7 @@ def engine_logits(engine, prompt: list[int]) -> torch.Tensor:
         len(prompt),
     )
     md = AttentionMetadata(slots, [group], bm.block_size, engine.model_config.sliding_window)
-    runner.backend.prepare(md)
+    runner.backend.prepare(md, engine.kv_cache)
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(prompt), pos, runner.backend, engine.kv_cache, md)
         logits = runner.model.compute_logits(hidden)

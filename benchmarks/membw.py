@@ -1,0 +1,66 @@
+"""Measured memory bandwidth and the W2 decode bound for a model directory.
+
+Bandwidth: the best of 10 timed full reads (torch.sum) of a 1 GiB fp32 buffer, with the given
+torch threads. Bound: a decode step must read every linear weight (and the lm_head) once, so
+tokens/s <= bandwidth / weight bytes per step.
+
+    python benchmarks/membw.py --model bench_out/llama-110m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def step_weight_bytes(model_dir: str) -> int:
+    """Bytes a decode step reads: every weight matrix except the embedding table (one row)."""
+    from steadylm.loader import safetensors_files, tensor_shapes
+
+    total = 0
+    for name, (shape, dtype) in tensor_shapes(safetensors_files(model_dir)).items():
+        if "embed_tokens" in name or len(shape) < 2:
+            continue
+        size = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}.get(dtype, 4)
+        total += size * shape[0] * shape[1]
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bw = read_bandwidth()
+    wb = step_weight_bytes(args.model)
+    out = {
+        "bandwidth_GBps": bw / 1e9,
+        "step_weight_bytes": wb,
+        "bound_step_ms": 1000 * wb / bw,
+        "bound_tokens_per_s": bw / wb,
+    }
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

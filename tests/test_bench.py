@@ -1,0 +1,142 @@
+"""The benchmark scripts cannot rot: each runs on a tiny model and produces a result. Nothing
+here asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-model")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from make_bench_model import build
+    finally:
+        sys.path.pop(0)
+    return build(
+        str(path),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def run(*cmd: str) -> str:
+    return subprocess.run(
+        [sys.executable, *cmd], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+
+
+def test_offline_bench_produces_json(tiny_model, tmp_path):
+    out = tmp_path / "r.json"
+    run(
+        "-m",
+        "steadylm.entrypoints.cli",
+        "--log-level",
+        "WARNING",
+        "bench",
+        "offline",
+        "--model",
+        tiny_model,
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--runs",
+        "2",
+        "--max-total-tokens",
+        "2048",
+        "--block-size",
+        "16",
+        "--json",
+        str(out),
+    )
+    res = json.loads(out.read_text())["results"]["3 x 16 -> 8"]
+    assert res["output_tokens_per_s"]["median"] > 0
+    assert 0 <= res["non_model_overhead"]["median"] < 1
+
+
+def test_transformers_peer_and_membw_produce_results(tiny_model, tmp_path):
+    text = run(
+        "benchmarks/peer_transformers.py",
+        "--model",
+        tiny_model,
+        "--workload",
+        "W2",
+        "--runs",
+        "1",
+        "--json",
+        str(tmp_path / "hf.json"),
+    )
+    assert "1 x 256 -> 128" in text
+    bw = json.loads(run("benchmarks/membw.py", "--model", tiny_model))
+    assert bw["bandwidth_GBps"] > 0 and bw["step_weight_bytes"] > 0
+
+
+def test_serving_bench_against_a_real_server(tiny_model, tmp_path):
+    from tests.entrypoints.test_server import free_port, wait_healthy
+
+    if not (Path(tiny_model) / "tokenizer.json").exists():
+        pytest.skip("../shared is absent: no Llama-2 tokenizer for the bench model")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "steadylm.entrypoints.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            tiny_model,
+            "--server-port",
+            str(port),
+            "--max-total-tokens",
+            "4096",
+            "--block-size",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        out = tmp_path / "s.json"
+        run(
+            "-m",
+            "steadylm.entrypoints.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--concurrency",
+            "2",
+            "--runs",
+            "1",
+            "--json",
+            str(out),
+        )
+        res = next(iter(json.loads(out.read_text())["results"].values()))
+        assert res["completed"]["median"] == 4 and res["failed"]["median"] == 0
+        assert res["tpot_ms_median"]["median"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
