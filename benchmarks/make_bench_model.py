@@ -4,8 +4,9 @@
     python benchmarks/make_bench_model.py bench_out/llama-110m [--dtype float32]
 
 With ../shared present, the Llama-2 tokenizer (same 32000 vocabulary) is copied in so
-`steadylm serve` can load the directory. Random weights are fine for speed: every workload fixes its output length (EOS ignored). The
-weights are scaled like a trained model's (std 0.02), deterministically from --seed.
+`steadylm serve` can load the directory. Random weights are fine for speed: every workload
+fixes its output length (EOS ignored). The weights are scaled like a trained model's (std
+0.02), deterministically from --seed.
 """
 
 from __future__ import annotations
