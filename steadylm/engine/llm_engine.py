@@ -23,7 +23,7 @@ from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.block_manager import BlockManager
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from steadylm.engine.scheduler import ScheduledRequest, Scheduler
+from steadylm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from steadylm.errors import RequestError
 from steadylm.memory import MemoryPlan, plan_memory
 
@@ -108,6 +108,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self._last_stats_log = time.monotonic()
         self.step_log: deque[StepRecord] = deque(maxlen=100_000)
+        if device.type == "cuda":
+            self._check_activation_estimate()
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -141,6 +143,29 @@ class LLMEngine:
         weights = model_weight_bytes(model)
         plan = make_plan(mc, config, param.device, param.dtype, weights)
         return cls(model, mc, config, plan, param.device, param.dtype, tokenizer)
+
+    def _check_activation_estimate(self) -> None:
+        """On CUDA, run one dummy prefill of max_prefill_token_num tokens and compare its
+        measured peak with the plan's activation reserve (reported, never fatal)."""
+        n = min(self.plan.max_prefill_token_num, self.block_manager.capacity_tokens - 1)
+        req = Request("profile", [0] * n, SamplingParams(max_new_tokens=1))
+        try:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.block_manager.allocate(req, n)
+            self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(req, n)]))
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+            self.plan.notes.append(
+                f"activation check: a {n}-token step peaked at {peak / 2**20:.0f} MiB; the plan "
+                f"reserves {self.plan.activation_bytes / 2**20:.0f} MiB")
+            logger.info("%s", self.plan.notes[-1])
+        except Exception as exc:  # a measurement only: never block startup on it
+            logger.warning("activation check skipped: %s", exc)
+        finally:
+            self.block_manager.free(req)
+            self.runner.sampler.release("profile")
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
