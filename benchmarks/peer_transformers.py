@@ -48,12 +48,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model.eval()
     rows = []
     for n, i, o in WORKLOADS[args.workload]:
         once(model, min(n, 2), i, 4, seed=999)  # warm-up
@@ -62,7 +64,9 @@ def main(argv=None) -> int:
         )
     import transformers
 
-    print_table(f"transformers {transformers.__version__} generate() ({args.model})", rows)
+    print_table(
+        f"transformers {transformers.__version__} generate() {args.dtype} ({args.model})", rows
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -100,16 +100,25 @@ class TorchAttentionBackend(AttentionBackend):
             for t in g.prepared["tiles"]:
                 k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["blocks"], q.dtype)
                 v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["blocks"], q.dtype)
-                qp = q[t["q_index"]]  # (S, Q, H, D)
+                if t["ctx"] is not None:  # no padding to mask: cut the block tail off
+                    k, v = k[:, : t["ctx"]], v[:, : t["ctx"]]
+                if t["slice"] is not None:  # decode tile in batch order: plain views
+                    qp = q[t["slice"]].unsqueeze(1)  # (S, 1, H, D)
+                else:
+                    qp = q[t["q_index"]]  # (S, Q, H, D)
                 o = F.scaled_dot_product_attention(
                     qp.transpose(1, 2),
                     k.transpose(1, 2),
                     v.transpose(1, 2),
                     attn_mask=t["mask"],
+                    is_causal=t["causal"],
                     scale=scale,
                     enable_gqa=k.shape[2] != qp.shape[2],
                 ).transpose(1, 2)  # (S, Q, H, D)
-                out[t["out_index"]] = o[t["q_valid"]]
+                if t["slice"] is not None:
+                    out[t["slice"]] = o.squeeze(1)
+                else:
+                    out[t["out_index"]] = o[t["q_valid"]]
         return out
 
 
@@ -124,12 +133,16 @@ def workspace_tokens(max_context: int) -> int:
 
 def _gather(cache: KVCache, data, params, layer: int, blocks, dtype) -> torch.Tensor:
     # Whole blocks, so each copy is one contiguous block: blocks (S, NB) -> (S, NB*bs, Hkv, D)
+    # On a 2-D view (one row per block) index_select is a plain row copy, ~4x faster on CPU
+    # than on the 4-D block tensor.
     s, nb = blocks.shape
     flat_ids = blocks.flatten()
-    kv = data[layer].index_select(0, flat_ids).view(s, -1, *data.shape[3:])
+    rows = data[layer].view(data.shape[1], -1)
+    kv = rows.index_select(0, flat_ids).view(s, -1, *data.shape[3:])
     if cache.quant_policy == 0:
         return kv
-    sz = params[layer].index_select(0, flat_ids).view(s, -1, *params.shape[3:])
+    prow = params[layer].view(params.shape[1], -1)
+    sz = prow.index_select(0, flat_ids).view(s, -1, *params.shape[3:])
     return dequantize_kv(kv, sz, cache.quant_policy).to(dtype)
 
 
@@ -152,8 +165,10 @@ def _tiles(g: AttentionGroup, block_size: int, window: int | None) -> list[dict]
     """Split a group into tiles of sequences with similar context lengths, so that the padded
     gather (tile size x longest context) stays under the workspace bound."""
     ctx = [-(-c // block_size) * block_size for c in g.context_lens.tolist()]  # whole blocks
-    order = sorted(range(len(ctx)), key=ctx.__getitem__)
     limit = workspace_tokens(max(ctx))
+    if len(ctx) * max(ctx) <= limit:  # one tile: keep batch order
+        return [_prepare_tile(g, list(range(len(ctx))), block_size, window)]
+    order = sorted(range(len(ctx)), key=ctx.__getitem__)
     tiles, current = [], []
     for i in order:
         if current and (len(current) + 1) * ctx[i] > limit:
@@ -185,9 +200,21 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     mask |= ~q_valid[:, :, None] & (ctx == 0)  # padded queries see one key, so no NaN rows
     starts = g.token_start + (torch.cumsum(g.query_lens, 0) - g.query_lens)[sel]  # (S,)
     q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - 1)  # (S, Q) flat ids
+    in_order = seqs == list(range(len(g.query_lens))) and max_q == 1
+    single = len(seqs) == 1 and max_q == 1 and window is None
+    # Fresh prompts of one length (no cached context): plain causal attention, no mask.
+    causal = (
+        max_q > 1
+        and window is None
+        and bool((query_lens == max_q).all())
+        and bool((context_lens == max_q).all())
+    )
     return {
+        "slice": slice(g.token_start, g.token_end) if in_order else None,
+        "ctx": max_ctx if single or causal else None,
+        "causal": causal,
         "blocks": blocks,
-        "mask": mask[:, None],
+        "mask": None if single or causal else mask[:, None],
         "q_valid": q_valid,
         "q_index": q_index,
         "out_index": q_index[q_valid],

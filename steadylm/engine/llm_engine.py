@@ -159,7 +159,8 @@ class LLMEngine:
             peak = torch.cuda.max_memory_allocated(self.device) - base
             self.plan.notes.append(
                 f"activation check: a {n}-token step peaked at {peak / 2**20:.0f} MiB; the plan "
-                f"reserves {self.plan.activation_bytes / 2**20:.0f} MiB")
+                f"reserves {self.plan.activation_bytes / 2**20:.0f} MiB"
+            )
             logger.info("%s", self.plan.notes[-1])
         except Exception as exc:  # a measurement only: never block startup on it
             logger.warning("activation check skipped: %s", exc)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every benchmark in docs/benchmarks.md, side by side in one session, 3 runs each.
+# Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV] [GGUF]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+OUT=bench_out
+mkdir -p $OUT
+[ -d $OUT/llama-110m ] || python benchmarks/make_bench_model.py $OUT/llama-110m
+[ -d $OUT/llama-110m-awq ] || python benchmarks/make_awq_model.py $OUT/llama-110m $OUT/llama-110m-awq
+M=$OUT/llama-110m
+KV="--max-total-tokens 65536"
+python benchmarks/membw.py --model $M --json $OUT/membw.json
+for w in W1 W2 sweep; do
+  steadylm --log-level WARNING bench offline --model $M --workload $w $KV --json $OUT/steadylm-fp32-$w.json
+  python benchmarks/peer_transformers.py --model $M --workload $w --json $OUT/hf-fp32-$w.json
+done
+for w in W1 W2; do
+  steadylm --log-level WARNING bench offline --model $M --workload $w $KV --dtype bfloat16 --json $OUT/steadylm-bf16-$w.json
+  python benchmarks/peer_transformers.py --model $M --workload $w --dtype bfloat16 --json $OUT/hf-bf16-$w.json
+  steadylm --log-level WARNING bench offline --model $OUT/llama-110m-awq --workload $w $KV --json $OUT/steadylm-awq-$w.json
+done
+if [ $# -ge 2 ]; then
+  for w in W1 W2; do
+    "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload $w --json $OUT/llamacpp-$w.json
+  done
+fi
+PORT=23999
+steadylm --log-level WARNING serve $M --server-port $PORT $KV &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
+steadylm bench serve --base-url http://127.0.0.1:$PORT --num-prompts 64 --concurrency 16 --json $OUT/serve-c16.json
+steadylm bench serve --base-url http://127.0.0.1:$PORT --num-prompts 32 --request-rate 2 --json $OUT/serve-r2.json
