@@ -195,7 +195,11 @@ def _preemptions(base_url: str) -> float:
 
 
 def run_serve(args) -> dict:
+    import logging
+
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     models = httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"]
     args.served_model_name = models[0]["id"]
