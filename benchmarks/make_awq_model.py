@@ -13,24 +13,11 @@ import os
 import shutil
 import sys
 
-import torch
 from safetensors.torch import load_file, save_file
 
-from steadylm.layers.awq import pack_int4
+from steadylm.layers.awq import quantize_rtn
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def quantize(w: torch.Tensor, group: int):
-    wk = w.t().float()  # (K, N)
-    k, n = wk.shape
-    g = wk.view(k // group, group, n)
-    lo, hi = g.amin(1), g.amax(1)
-    scales = ((hi - lo) / 15).clamp_min(1e-6).half()
-    s = scales.float()
-    zeros = torch.clamp(torch.round(-lo / s), 0, 15)
-    q = torch.clamp(torch.round(g / s[:, None]) + zeros[:, None], 0, 15).view(k, n)
-    return pack_int4(q.int()), pack_int4(zeros.int()), scales
 
 
 def main(argv=None) -> int:
@@ -45,7 +32,7 @@ def main(argv=None) -> int:
     for name, t in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
             base = name[: -len(".weight")]
-            qw, qz, sc = quantize(t, args.group_size)
+            qw, qz, sc = quantize_rtn(t, args.group_size)
             out[f"{base}.qweight"], out[f"{base}.qzeros"], out[f"{base}.scales"] = qw, qz, sc
         else:
             out[name] = t.half()

@@ -50,7 +50,8 @@ def spec_pack(codes: torch.Tensor) -> torch.Tensor:
 
 def awq_quantize(w: torch.Tensor, group: int):
     """Round-to-nearest per group, asymmetric. w (N, K) -> qweight, qzeros, scales, and the
-    dequantized (N, K) weight that those exactly represent."""
+    dequantized (N, K) weight that those exactly represent. Written independently of
+    steadylm.layers.awq (with the literal spec packer above) so the two check each other."""
     wk = w.t().float()  # (K, N)
     k, n = wk.shape
     g = wk.view(k // group, group, n)
@@ -225,3 +226,13 @@ def test_dequantize_matches_autoawq_reference():
     theirs = ref.dequantize_gemm(qw, qz, sc, 4, 32)  # (K, N)
     ours = dequantize(qw, qz, sc, 32)  # (N, K)
     torch.testing.assert_close(ours.t().float(), theirs.float(), rtol=0, atol=1e-3)
+
+
+def test_library_rtn_quantizer_matches_the_spec_packer():
+    from steadylm.layers.awq import quantize_rtn
+
+    w = torch.randn(64, 128)
+    ours = quantize_rtn(w, 32)
+    spec = awq_quantize(w, 32)[:3]
+    for a, b in zip(ours, spec):
+        assert torch.equal(a, b)

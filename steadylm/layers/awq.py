@@ -81,6 +81,20 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return packed.to(torch.int32)  # wraps the top nibble into the sign bit, as AutoAWQ does
 
 
+def quantize_rtn(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest AWQ-format quantization of a dense weight (N, K): the checkpoint format
+    without AWQ's activation-aware scale search. -> qweight, qzeros, scales (fp16)."""
+    wk = w.t().float()  # (K, N)
+    k, n = wk.shape
+    g = wk.view(k // group, group, n)
+    lo, hi = g.amin(1), g.amax(1)  # (K/g, N)
+    scales = ((hi - lo) / 15).clamp_min(1e-6).half()
+    s = scales.float()
+    zeros = torch.clamp(torch.round(-lo / s), 0, 15)
+    q = torch.clamp(torch.round(g / s[:, None]) + zeros[:, None], 0, 15).view(k, n)
+    return pack_int4(q.int()), pack_int4(zeros.int()), scales
+
+
 def dequantize(qweight, qzeros, scales, group: int) -> torch.Tensor:
     """-> dense weight (N, K) in scales.dtype, torch's Linear layout."""
     q = unpack_int4(qweight)  # (K, N)
