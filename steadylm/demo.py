@@ -131,9 +131,11 @@ class DemoReport:
     kv_blocks: int
     preemptions: int
     texts: list[str]
+    model: str = ""
 
     def __str__(self) -> str:
         lines = [
+            f"model: {self.model}",
             f"requests: {len(self.texts)}, prompt tokens: {self.prompt_tokens}, "
             f"generated tokens: {self.output_tokens}",
             f"time: {self.seconds:.2f} s, output throughput: "
@@ -142,6 +144,11 @@ class DemoReport:
             f"KV blocks: peak {self.peak_kv_blocks} of {self.kv_blocks} used, "
             f"preemptions: {self.preemptions}",
         ]
+        if self.model.startswith("random"):
+            lines.append(
+                "(random weights, so the text below is noise; pass --model DIR, e.g. "
+                "../shared/models/stories260K, for real text)"
+            )
         for i, t in enumerate(self.texts[:3]):
             lines.append(f"[{i}] {t!r}")
         return "\n".join(lines)
@@ -192,4 +199,8 @@ def run_demo(
         kv_blocks=engine.plan.num_blocks,
         preemptions=engine.stats().num_preemptions,
         texts=[tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in reqs],
+        model=model_dir
+        or f"random-weight {preset} ({engine.model_config.architecture}, "
+        f"{engine.model_config.num_layers} layers, hidden "
+        f"{engine.model_config.hidden_size})",
     )

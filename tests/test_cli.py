@@ -1,0 +1,133 @@
+"""The command line: the main job (`steadylm demo`), `generate`, and `plan` in text and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import STORIES, needs_shared
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "steadylm.entrypoints.cli", "--log-level", "WARNING", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_demo_runs_a_batch_on_a_random_preset():
+    out = cli("demo", "--num-prompts", "4", "--max-new-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert "random-weight tiny-qwen2" in out.stdout
+    assert "generated tokens: 32" in out.stdout and "tokens/s" in out.stdout
+    assert "batch size: max 4" in out.stdout and "KV blocks: peak" in out.stdout
+
+
+@needs_shared
+def test_demo_and_generate_with_a_real_model():
+    out = cli(
+        "demo",
+        "--model",
+        str(STORIES),
+        "--block-size",
+        "16",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "30",
+        "--num-gpu-blocks",
+        "64",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Lily" in out.stdout or "girl" in out.stdout
+    gen = cli(
+        "generate",
+        "--model",
+        str(STORIES),
+        "Once upon a time",
+        "--max-new-tokens",
+        "20",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "64",
+    )
+    assert gen.returncode == 0 and gen.stdout.startswith("Once upon a time")
+    assert "finish_reason=length" in gen.stderr
+
+
+def test_plan_answers_what_fits_in_text_and_json():
+    out = cli(
+        "plan",
+        "DeepSeek-R1-Distill-Qwen-32B-AWQ",
+        "--gpu",
+        "rtx4090",
+        "--quant-policy",
+        "4",
+        "--session-len",
+        "32768",
+        "--concurrency",
+        "2",
+        "--gpu-memory-utilization",
+        "0.9",
+    )
+    assert out.returncode == 0, out.stderr
+    for row in (
+        "weights",
+        "activation reserve",
+        "KV bytes per token",
+        "KV capacity",
+        "concurrent requests at session_len",
+        "largest session_len",
+    ):
+        assert row in out.stdout
+    j = json.loads(
+        cli(
+            "plan",
+            "DeepSeek-R1-Distill-Qwen-32B-AWQ",
+            "--gpu",
+            "rtx4090",
+            "--quant-policy",
+            "4",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--concurrency",
+            "2",
+            "--json",
+        ).stdout
+    )
+    assert j["kv_bytes_per_token"] == 64 * 2 * 8 * (64 + 4)
+    assert j["tokens_that_fit"] == j["num_blocks"] * 64
+    assert j["max_session_len_for_concurrency"] == (j["num_blocks"] // 2) * 64
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["plan", "no-such-model"], "catalog name"),
+        (["plan", "Qwen3-8B", "--gpu", "tpu9"], "unknown GPU"),
+        (["plan", "Qwen3-8B", "--gpu-memory", "lots"], "24GiB"),
+        (["plan", "Qwen3-8B", "--gpu-memory", "8GiB"], "does not fit"),
+        (
+            [
+                "plan",
+                "Qwen3-8B",
+                "--gpu",
+                "h200",
+                "--kv-cache-bytes",
+                "1000000000",
+                "--gpu-memory-utilization",
+                "0.9",
+            ],
+            "set only one",
+        ),
+    ],
+)
+def test_plan_errors_are_clear(args, fragment):
+    out = cli(*args)
+    assert out.returncode == 2 and fragment in out.stderr, out.stderr
