@@ -63,8 +63,6 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (T, H, D), k (T, Hkv, D); cos, sin (T, 1, D)."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D); cos, sin (T, 1, D)."""
+    return x * cos + rotate_half(x) * sin

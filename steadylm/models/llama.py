@@ -10,7 +10,7 @@ from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
 from steadylm.layers.linear import Linear, default_weight_loader, make_linear
 from steadylm.layers.norm import RMSNorm
-from steadylm.layers.rotary import RotaryEmbedding, apply_rotary
+from steadylm.layers.rotary import RotaryEmbedding, rotate
 from steadylm.models.registry import register
 
 
@@ -37,13 +37,15 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (T, H*D), (T, Hkv*D) x2
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, d)  # (T, H + 2 Hkv, D)
+        v = qkv[:, h + hkv :]
+        if self.q_norm is None:  # one rotary pass over q and k together (fewer small ops)
+            qk = rotate(qkv[:, : h + hkv], *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv])
+            q, k = rotate(q, *rope), rotate(k, *rope)
         backend.write(cache, self.layer, k, v, md)
         o = backend.forward(q, cache, self.layer, md, self.scale)  # (T, H, D)
         return self.o_proj(o.flatten(1))
