@@ -1,5 +1,5 @@
-"""Device facts in one place: which device, which dtype, how much memory. Environment
-variables that steadylm reads are read here and only here."""
+"""Device facts in one place: which device, which dtype, how much memory. steadylm reads no
+environment variables today; any it comes to need are read here and only here."""
 
 from __future__ import annotations
 
@@ -63,8 +63,3 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
-
-
-def num_threads_env() -> int | None:
-    value = os.environ.get("STEADYLM_NUM_THREADS")
-    return int(value) if value else None

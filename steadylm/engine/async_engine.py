@@ -137,11 +137,6 @@ class AsyncEngine:
             if out is not None:
                 self._deliver([out])
 
-    def generate_sync(
-        self, prompt, params: SamplingParams, request_id=None
-    ) -> Iterator[RequestOutput]:
-        yield from self.add_request(prompt, params, request_id)
-
     async def generate(
         self, prompt, params: SamplingParams, request_id=None
     ) -> AsyncIterator[RequestOutput]:

@@ -144,9 +144,8 @@ class BlockManager:
         table = self.req_blocks.get(request.request_id, [])
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        tokens = request.all_token_ids
-        for i in range(len(hashes), num_full):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+        for i in range(len(hashes), num_full):  # usually none: a block fills every bs steps
+            chunk = tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
             h = hash_block(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
             block = self.blocks[table[i]]
@@ -167,12 +166,6 @@ class BlockManager:
                 if not self.enable_prefix_caching:
                     block.block_hash = None
                 self.free_queue[block_id] = None
-
-    def reset_prefix_cache(self) -> None:
-        for h, block_id in list(self.cached.items()):
-            if self.blocks[block_id].ref_cnt == 0:
-                self.blocks[block_id].block_hash = None
-                del self.cached[h]
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

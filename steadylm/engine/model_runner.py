@@ -79,7 +79,7 @@ class ModelRunner:
         tokens: list[int] = []
         for s in order:
             start = s.request.num_computed_tokens
-            tokens += s.request.all_token_ids[start : start + s.num_new_tokens]
+            tokens += s.request.token_ids(start, start + s.num_new_tokens)
         q_lens = torch.tensor([s.num_new_tokens for s in order])
         computed = torch.tensor([s.request.num_computed_tokens for s in order])
         seq_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens)  # (T,)

@@ -160,6 +160,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence (the
+        per-step paths call this; `all_token_ids` copies everything)."""
+        p = self.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        if start >= len(p):
+            return self.output_token_ids[start - len(p) : end - len(p)]
+        return p[start:] + self.output_token_ids[: end - len(p)]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens

@@ -118,3 +118,11 @@ def test_integrity_check_detects_corruption():
     bm.blocks[0].ref_cnt = 5
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+def test_token_ids_slices_across_prompt_and_output():
+    r = req("t", [1, 2, 3])
+    r.output_token_ids += [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert r.token_ids(start, end) == r.all_token_ids[start:end]
