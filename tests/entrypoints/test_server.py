@@ -192,7 +192,10 @@ def test_logprobs(client):
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(c.logprob <= 0 for c in content)
-    assert all(len(c.top_logprobs) <= 2 for c in content)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    # greedy: the chosen token is the most likely one, so it heads its top_logprobs
+    assert all(c.top_logprobs[0].token == c.token for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
 BAD = [  # (description, method, path, body or raw bytes, expected status, message fragment)

@@ -394,23 +394,31 @@ class _Run:
         return bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
 
     def _logprobs(self, pairs: list) -> dict:
+        """pairs: (chosen token, {token: logprob}) with the chosen token and the top-k."""
         tok = self.state.tokenizer
+
+        def top(lp: dict, n: int | None) -> list[tuple[int, float]]:
+            return sorted(lp.items(), key=lambda kv: -kv[1])[: n or 0]
+
         if self.chat:
-            content = []
-            for t, lp in pairs:
-                top = [
-                    {"token": tok.decode([k]), "logprob": v}
-                    for k, v in lp.items()
-                    if k != t or len(lp) == 1
-                ][: self.body.top_logprobs or 0]
-                content.append(
-                    {"token": tok.decode([t]), "logprob": lp.get(t, 0.0), "top_logprobs": top}
-                )
+            content = [
+                {
+                    "token": tok.decode([t]),
+                    "logprob": lp.get(t, 0.0),
+                    "top_logprobs": [
+                        {"token": tok.decode([k]), "logprob": v}
+                        for k, v in top(lp, self.body.top_logprobs)
+                    ],
+                }
+                for t, lp in pairs
+            ]
             return {"content": content}
         return {
             "tokens": [tok.decode([t]) for t, _ in pairs],
             "token_logprobs": [lp.get(t, 0.0) for t, lp in pairs],
-            "top_logprobs": [{tok.decode([k]): v for k, v in lp.items()} for _, lp in pairs],
+            "top_logprobs": [
+                {tok.decode([k]): v for k, v in top(lp, self.body.logprobs)} for _, lp in pairs
+            ],
         }
 
     async def sse(self) -> AsyncIterator[str]:
