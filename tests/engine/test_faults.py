@@ -61,3 +61,34 @@ def test_fault_during_chunked_prefill_leaves_no_blocks(model_dirs, fail_step):
     engine.add_request(list(range(3, 20)), SamplingParams(max_new_tokens=4))
     run_to_end(engine)
     assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.timeout(60)
+def test_engine_loop_death_wakes_every_waiting_caller(model_dirs):
+    """A bug outside the model (here: step() itself raising) kills the loop: every open
+    stream gets an error result at once, and later calls raise EngineDeadError."""
+    import threading
+
+    from steadylm.engine.async_engine import AsyncEngine
+    from steadylm.errors import EngineDeadError
+
+    _, path = model_dirs("llama")
+    engine = engine_for(path)
+    gate = threading.Event()
+
+    def broken_step():
+        gate.wait(10)  # both requests are queued before the loop breaks
+        raise RuntimeError("scheduler bug")
+
+    engine.step = broken_step
+    ae = AsyncEngine(engine)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    streams = [ae.add_request([5, 6, 7 + i], params) for i in range(2)]
+    gate.set()
+    finals = [list(s)[-1] for s in streams]  # returns only once the loop delivered
+    assert all(f.finished and f.finish_reason == "error" for f in finals)
+    assert all("scheduler bug" in f.error for f in finals)
+    assert not ae.healthy and "scheduler bug" in ae.dead_error
+    with pytest.raises(EngineDeadError, match="scheduler bug"):
+        ae.add_request([5], params)
+    assert engine.block_manager.num_used_blocks == 0
