@@ -193,6 +193,6 @@ def model_weight_bytes(model: nn.Module) -> int:
             total += p.numel() * p.element_size()
     for m in model.modules():
         kernel = getattr(m, "kernel", None)
-        if kernel is not None and getattr(m, "qweight", 0) is None:  # repacked int4
+        if kernel is not None and kernel.owns_weights:  # repacked int4, prepacked dense
             total += kernel.num_bytes()
     return total

@@ -108,6 +108,7 @@ class Int4Kernel:
     """A repacked weight and its matmul: y (M, N) = x (M, K) @ W^T."""
 
     name = "base"
+    owns_weights = True  # its tensors replace the module's parameters (count them once)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -122,6 +123,7 @@ class ReferenceInt4Kernel(Int4Kernel):
     """Pure torch: keep the codes in 4 bits, dequantize per call, then a dense matmul."""
 
     name = "reference"
+    owns_weights = False  # it computes from the module's own qweight / qzeros / scales
 
     def __init__(self, qweight, qzeros, scales, group: int, dtype: torch.dtype) -> None:
         self.qweight, self.qzeros, self.scales, self.group = qweight, qzeros, scales, group

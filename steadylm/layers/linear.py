@@ -2,15 +2,25 @@
 
 Merged layers (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) take one matmul where the
 checkpoint has several; their loader copies each checkpoint shard into its row range.
+
+After loading, a dense layer on the CPU hands its weight to a `DenseKernel`: oneDNN's matmul on
+a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
+measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
+faster for bf16 too. `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from steadylm.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def default_weight_loader(
@@ -21,6 +31,49 @@ def default_weight_loader(
             f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
         )
     param.data.copy_(loaded)
+
+
+class DenseKernel:
+    """A dense weight's matmul after loading: y (..., N) = x (..., K) @ W^T + b."""
+
+    name = "base"
+    owns_weights = True  # its tensors replace the module's parameters (count them once)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def num_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
+        )
+
+
+class OneDNNDenseKernel(DenseKernel):
+    """oneDNN matmul on a weight reordered once into its blocked layout (CPU, fp32 / bf16)."""
+
+    name = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and os.environ.get("STEADYLM_CPU_GEMM", "onednn") == "onednn"
+        )
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias, "none", [], ""
+        )
+        return y.view(*shape, self.out_features)
 
 
 class Linear(nn.Module):
@@ -36,8 +89,26 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
+        self.kernel: DenseKernel | None = None
+        self.shared_weight = False  # tied to the embedding: keep the dense parameter
+
+    def process_weights_after_loading(self) -> None:
+        if self.shared_weight or not OneDNNDenseKernel.supports(self.weight):
+            return
+        try:
+            kernel = OneDNNDenseKernel(
+                self.weight.data, self.bias.data if self.bias is not None else None
+            )
+        except RuntimeError as exc:  # an old or unusual oneDNN build: keep F.linear
+            logger.warning("oneDNN linear unavailable (%s); using F.linear", exc)
+            return
+        self.kernel = kernel
+        del self.weight, self.bias  # only the packed copy stays
+        self.weight = self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.apply(x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.shared_weight = True
 
     def forward(
         self, ids, positions, backend: AttentionBackend, cache: KVCache, md: AttentionMetadata
