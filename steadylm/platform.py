@@ -1,8 +1,14 @@
-"""Device facts in one place: which device, which dtype, how much memory. steadylm reads no
-environment variables today; any it comes to need are read here and only here."""
+"""Device facts in one place: which device, which dtype, how much memory, and the CPU
+process settings that decide speed there. Environment variables are read here and only here:
+
+- `STEADYLM_CPU_GEMM`: `onednn` (default) or `torch`, the dense matmul on the CPU.
+- `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 
 import torch
@@ -10,6 +16,9 @@ import torch
 from steadylm.config import ModelConfig, parse_dtype
 from steadylm.errors import ConfigError
 from steadylm.memory import DeviceMemory
+
+logger = logging.getLogger(__name__)
+_allocator_tuned = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,3 +72,39 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def _choice(var: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(var, allowed[0])
+    if value not in allowed:
+        raise ConfigError(f"{var}={value!r} is not one of {', '.join(allowed)}", param=var)
+    return value
+
+
+def cpu_gemm() -> str:
+    """'onednn': dense CPU linears run oneDNN on weights prepacked at load; 'torch': F.linear."""
+    return _choice("STEADYLM_CPU_GEMM", ("onednn", "torch"))
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep freed memory in the process instead of handing it back to the OS (glibc mallopt:
+    no mmap for large blocks, no heap trimming). A prefill's activations are tens of MB per
+    tensor; by default glibc maps and unmaps each one, and every first touch page-faults
+    again: measured on a 2-vCPU VM, a fresh (4096, 2048) fp32 multiply took 20 ms instead of
+    3 ms. Peak memory is unchanged (the plan reserves the activations); what changes is that the
+    process keeps it, as with the tcmalloc / jemalloc preload vLLM's CPU backend recommends.
+    Returns whether the setting took effect; a no-op off glibc."""
+    global _allocator_tuned
+    if _allocator_tuned or _choice("STEADYLM_CPU_MALLOC", ("tuned", "default")) != "tuned":
+        return _allocator_tuned
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1  # blocks up to 1 GiB from the heap
+        ok = ok and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        ok = False
+    _allocator_tuned = ok
+    logger.debug("glibc malloc tuned for large activations: %s", ok)
+    return ok

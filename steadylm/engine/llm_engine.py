@@ -76,6 +76,8 @@ class LLMEngine:
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.session_len = plan.session_len
+        if device.type == "cpu":
+            platform.tune_cpu_allocator()
         backend = get_backend("torch")
         self.kv_cache = backend.allocate(
             model_config.num_layers,
@@ -123,6 +125,8 @@ class LLMEngine:
         mc = ModelConfig.from_path(model_dir)
         device = platform.resolve_device(config.device)
         dtype = platform.resolve_dtype(config.dtype, mc, device)
+        if device.type == "cpu":
+            platform.tune_cpu_allocator()  # before loading: the weights are allocated too
         files = safetensors_files(model_dir)
         if mc.quantization:  # AWQ: the repacked int4 layout steadylm will hold
             size = torch.tensor([], dtype=dtype).element_size()

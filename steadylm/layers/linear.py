@@ -12,12 +12,12 @@ faster for bf16 too. `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the refer
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steadylm import platform
 from steadylm.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class OneDNNDenseKernel(DenseKernel):
             and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and os.environ.get("STEADYLM_CPU_GEMM", "onednn") == "onednn"
+            and platform.cpu_gemm() == "onednn"
         )
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
