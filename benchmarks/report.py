@@ -67,6 +67,9 @@ def main(argv=None) -> int:
         ("transformers fp32", "hf-fp32-{w}.json"),
         ("transformers bf16", "hf-bf16-{w}.json"),
         ("llama.cpp f32", "llamacpp-{w}.json"),
+        ("openvino-genai f32", "ov-f32-{w}.json"),
+        ("openvino-genai bf16", "ov-bf16-{w}.json"),
+        ("ctranslate2 fp32", "ct2-fp32-{w}.json"),
     ]
     for w in ("W1", "W2", "sweep"):
         print(f"\n### {w}\n")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every benchmark in docs/benchmarks.md, side by side in one session, 3 runs each.
-# Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV] [GGUF]
+# Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV GGUF] 
+# Optional peers, each from its own venv (see docs/benchmarks.md), set by environment:
+#   OV_VENV + OV_MODEL (openvino-genai), CT2_VENV + CT2_MODEL (ctranslate2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -23,6 +25,19 @@ done
 if [ $# -ge 2 ]; then
   for w in W1 W2; do
     "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload $w --json $OUT/llamacpp-$w.json
+  done
+fi
+if [ -n "${OV_VENV:-}" ]; then
+  for w in W1 W2 sweep; do
+    "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
+  done
+  for w in W1 W2; do
+    "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --precision bf16 --json $OUT/ov-bf16-$w.json
+  done
+fi
+if [ -n "${CT2_VENV:-}" ]; then
+  for w in W1 W2; do
+    "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload $w --json $OUT/ct2-fp32-$w.json
   done
 fi
 PORT=23999
