@@ -95,3 +95,22 @@ def test_bfloat16_checkpoint_loads_in_requested_dtype(tmp_path):
     engine16 = engine_for(str(tmp_path), dtype="bfloat16")
     assert next(engine16.runner.model.parameters()).dtype == torch.bfloat16
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_cpu_follows_checkpoint_and_cpu(native, monkeypatch):
+    from types import SimpleNamespace
+
+    from steadylm import platform
+
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    bf16 = SimpleNamespace(torch_dtype="bfloat16")  # resolve_dtype reads only this field
+    assert platform.resolve_dtype("auto", bf16, cpu) == (
+        torch.bfloat16 if native else torch.float32
+    )
+    for ckpt in ("float32", "float16"):  # fp16 math is slow on CPUs: fp32
+        assert (
+            platform.resolve_dtype("auto", SimpleNamespace(torch_dtype=ckpt), cpu) == torch.float32
+        )
+    assert platform.resolve_dtype("float32", bf16, cpu) == torch.float32  # explicit wins
