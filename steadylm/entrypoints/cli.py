@@ -15,7 +15,8 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
         "--dtype",
         dict(
             default="auto",
-            help="auto (fp32 on CPU, the checkpoint's on CUDA), float32, float16 or bfloat16",
+            help="auto (the checkpoint's dtype on CUDA; on CPU bf16 for a bf16 checkpoint if the "
+            "CPU has AVX512-BF16/AMX, else fp32), float32, float16 or bfloat16",
         ),
     ),
     ("--device", dict(default="auto", help="auto, cpu or cuda")),
