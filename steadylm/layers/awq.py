@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steadylm.errors import ModelLoadError
+from steadylm.layers.linear import LinearKernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -104,19 +105,10 @@ def dequantize(qweight, qzeros, scales, group: int) -> torch.Tensor:
     return w.view(k, -1).t().to(scales.dtype).contiguous()
 
 
-class Int4Kernel:
+class Int4Kernel(LinearKernel):
     """A repacked weight and its matmul: y (M, N) = x (M, K) @ W^T."""
 
     name = "base"
-    owns_weights = True  # its tensors replace the module's parameters (count them once)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def num_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
-        )
 
 
 class ReferenceInt4Kernel(Int4Kernel):

@@ -3,7 +3,7 @@
 Merged layers (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) take one matmul where the
 checkpoint has several; their loader copies each checkpoint shard into its row range.
 
-After loading, a dense layer on the CPU hands its weight to a `DenseKernel`: oneDNN's matmul on
+After loading, a dense layer on the CPU hands its weight to a `LinearKernel`: oneDNN's matmul on
 a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
 faster for bf16 too. `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
@@ -33,8 +33,9 @@ def default_weight_loader(
     param.data.copy_(loaded)
 
 
-class DenseKernel:
-    """A dense weight's matmul after loading: y (..., N) = x (..., K) @ W^T + b."""
+class LinearKernel:
+    """A linear layer's weight after loading, in the layout its matmul wants:
+    y (..., N) = x (..., K) @ W^T (+ b). Dense (below) and int4 (layers/awq.py) kernels."""
 
     name = "base"
     owns_weights = True  # its tensors replace the module's parameters (count them once)
@@ -48,7 +49,7 @@ class DenseKernel:
         )
 
 
-class OneDNNDenseKernel(DenseKernel):
+class OneDNNDenseKernel(LinearKernel):
     """oneDNN matmul on a weight reordered once into its blocked layout (CPU, fp32 / bf16)."""
 
     name = "onednn"
@@ -89,7 +90,7 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
-        self.kernel: DenseKernel | None = None
+        self.kernel: LinearKernel | None = None
         self.shared_weight = False  # tied to the embedding: keep the dense parameter
 
     def process_weights_after_loading(self) -> None:
