@@ -13,17 +13,11 @@ batch, since `generate_batch` returns only when every sequence is done.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 import time
 
-WORKLOADS = {
-    "W1": [(16, 256, 128)],
-    "W2": [(1, 256, 128)],
-    "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
-}
+from peer_common import WORKLOADS, emit, run_workload
 
 
 def once(gen, vocab, n: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -65,23 +59,10 @@ def main(argv=None) -> int:
     gen = ctranslate2.Generator(
         args.model, device="cpu", compute_type=args.compute_type, intra_threads=args.threads
     )
-    rows = {}
-    for n, i, o in WORKLOADS[args.workload]:
-        once(gen, vocab, 1, i, 4, seed=999)  # warm-up
-        runs = [once(gen, vocab, n, i, o, seed=r) for r in range(args.runs)]
-        rows[f"{n} x {i} -> {o}"] = {
-            k: {
-                "median": statistics.median(r[k] for r in runs),
-                "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs),
-            }
-            for k in runs[0]
-        }
-    name = f"ctranslate2 {ctranslate2.__version__} {args.compute_type}"
-    print(json.dumps({"engine": name, "results": rows}, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"engine": name, "results": rows}, f, indent=2)
+    rows = run_workload(
+        lambda n, i, o, seed: once(gen, vocab, n, i, o, seed), args.workload, args.runs
+    )
+    emit(f"ctranslate2 {ctranslate2.__version__} {args.compute_type}", rows, args.json)
     return 0
 
 

@@ -12,17 +12,12 @@ another: that is the throughput a llama-cpp-python user gets. Greedy, EOS never 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 
-WORKLOADS = {
-    "W1": [(16, 256, 128)],
-    "W2": [(1, 256, 128)],
-    "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
-}
+from peer_common import WORKLOADS, emit, run_workload
 
 
 def one_sequence(llm, prompt: list[int], output_len: int) -> tuple[float, float]:
@@ -72,23 +67,8 @@ def main(argv=None) -> int:
         n_threads_batch=args.threads,
         verbose=False,
     )
-    rows = {}
-    for n, i, o in WORKLOADS[args.workload]:
-        once(llm, 1, i, 4, seed=999)  # warm-up
-        runs = [once(llm, n, i, o, seed=r) for r in range(args.runs)]
-        rows[f"{n} x {i} -> {o}"] = {
-            k: {
-                "median": statistics.median(r[k] for r in runs),
-                "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs),
-            }
-            for k in runs[0]
-        }
-    name = f"llama-cpp-python {llama_cpp.__version__}"
-    print(json.dumps({"engine": name, "results": rows}, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"engine": name, "results": rows}, f, indent=2)
+    rows = run_workload(lambda n, i, o, seed: once(llm, n, i, o, seed), args.workload, args.runs)
+    emit(f"llama-cpp-python {llama_cpp.__version__}", rows, args.json)
     return 0
 
 

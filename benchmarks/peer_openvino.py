@@ -14,17 +14,11 @@ timed on a separate 1-token call of the same batch.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 import time
 
-WORKLOADS = {
-    "W1": [(16, 256, 128)],
-    "W2": [(1, 256, 128)],
-    "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
-}
+from peer_common import WORKLOADS, emit, run_workload
 
 
 def once(pipe, n: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -81,23 +75,8 @@ def main(argv=None) -> int:
     sched.enable_prefix_caching = False
     props = {"INFERENCE_PRECISION_HINT": args.precision, "INFERENCE_NUM_THREADS": args.threads}
     pipe = ov_genai.ContinuousBatchingPipeline(args.model, sched, "CPU", props)
-    rows = {}
-    for n, i, o in WORKLOADS[args.workload]:
-        once(pipe, 1, i, 4, seed=999)  # warm-up
-        runs = [once(pipe, n, i, o, seed=r) for r in range(args.runs)]
-        rows[f"{n} x {i} -> {o}"] = {
-            k: {
-                "median": statistics.median(r[k] for r in runs),
-                "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs),
-            }
-            for k in runs[0]
-        }
-    name = f"openvino-genai {ov_genai.get_version()} {args.precision}"
-    print(json.dumps({"engine": name, "results": rows}, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"engine": name, "results": rows}, f, indent=2)
+    rows = run_workload(lambda n, i, o, seed: once(pipe, n, i, o, seed), args.workload, args.runs)
+    emit(f"openvino-genai {ov_genai.get_version()} {args.precision}", rows, args.json)
     return 0
 
 
