@@ -5,13 +5,37 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable
 
+# The same shapes as steadylm.bench.WORKLOADS (tests/test_bench.py checks they agree).
 WORKLOADS = {
     "W1": [(16, 256, 128)],
     "W2": [(1, 256, 128)],
     "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
 }
+
+
+def time_batch(
+    generate: Callable[[int], list[int]], n: int, input_len: int, output_len: int
+) -> dict[str, float]:
+    """generate(new_tokens) runs the whole batch once and returns each sequence's number of new
+    tokens. Batch APIs return only at the end, so TTFT is a 1-token run of the same batch."""
+    t0 = time.perf_counter()
+    generate(1)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = generate(output_len)
+    elapsed = time.perf_counter() - t0
+    if got != [output_len] * n:
+        raise RuntimeError(f"expected {n} x {output_len} new tokens, got {got}")
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": n * output_len / elapsed,
+        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
+        "ttft_s": ttft,
+        "decode_tokens_per_s_per_request": (output_len - 1) / max(elapsed - ttft, 1e-9),
+    }
 
 
 def run_workload(

@@ -15,30 +15,20 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 
-from peer_common import WORKLOADS, emit, run_workload
+from peer_common import WORKLOADS, emit, run_workload, time_batch
 
 
 def once(gen, vocab, n: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     prompts = [[vocab[rng.randrange(3, 32000)] for _ in range(input_len)] for _ in range(n)]
     kw = dict(sampling_topk=1, include_prompt_in_result=False, max_batch_size=n)
-    t0 = time.perf_counter()
-    gen.generate_batch(prompts, max_length=1, min_length=1, **kw)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = gen.generate_batch(prompts, max_length=output_len, min_length=output_len, **kw)
-    elapsed = time.perf_counter() - t0
-    got = [len(r.sequences_ids[0]) for r in res]
-    assert all(g == output_len for g in got), got
-    return {
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": n * output_len / elapsed,
-        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
-        "ttft_s": ttft,
-        "decode_tokens_per_s_per_request": (output_len - 1) / (elapsed - ttft),
-    }
+
+    def generate(new_tokens: int) -> list[int]:
+        res = gen.generate_batch(prompts, max_length=new_tokens, min_length=new_tokens, **kw)
+        return [len(r.sequences_ids[0]) for r in res]
+
+    return time_batch(generate, n, input_len, output_len)
 
 
 def main(argv=None) -> int:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 
-from peer_common import WORKLOADS, emit, run_workload
+from peer_common import WORKLOADS, emit, run_workload, time_batch
 
 
 def once(pipe, n: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -39,21 +38,11 @@ def once(pipe, n: int, input_len: int, output_len: int, seed: int) -> dict[str, 
         c.do_sample = False
         return c
 
-    t0 = time.perf_counter()
-    pipe.generate(prompts, [config(1)] * n)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = pipe.generate(prompts, [config(output_len)] * n)
-    elapsed = time.perf_counter() - t0
-    got = [len(r.m_generation_ids[0]) for r in res]
-    assert all(g == output_len for g in got), got
-    return {
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": n * output_len / elapsed,
-        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
-        "ttft_s": ttft,
-        "decode_tokens_per_s_per_request": (output_len - 1) / (elapsed - ttft),
-    }
+    def generate(new_tokens: int) -> list[int]:
+        res = pipe.generate(prompts, [config(new_tokens)] * n)
+        return [len(r.m_generation_ids[0]) for r in res]
+
+    return time_batch(generate, n, input_len, output_len)
 
 
 def main(argv=None) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
+from peer_common import time_batch
 
 from steadylm.bench import WORKLOADS, print_table, random_prompts, summarize
 
@@ -25,21 +25,13 @@ def once(model, n: int, input_len: int, output_len: int, seed: int) -> dict[str,
     kw = dict(
         attention_mask=mask, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
     )
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
-        elapsed = time.perf_counter() - t0
-    assert out.shape[1] == input_len + output_len
-    return {
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": n * output_len / elapsed,
-        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
-        "ttft_s": ttft,
-        "decode_tokens_per_s_per_request": (output_len - 1) / max(elapsed - ttft, 1e-9),
-    }
+
+    @torch.inference_mode()
+    def generate(new_tokens: int) -> list[int]:
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        return [out.shape[1] - input_len] * n
+
+    return time_batch(generate, n, input_len, output_len)
 
 
 def main(argv=None) -> int:

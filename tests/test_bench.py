@@ -154,3 +154,14 @@ def test_peer_scripts_parse_without_their_peer(script):
     )
     assert r.returncode == 0, r.stderr
     assert "--workload" in r.stdout
+
+
+def test_peer_workloads_match_steadylms():
+    from steadylm.bench import WORKLOADS
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peer_common import WORKLOADS as PEER_WORKLOADS
+    finally:
+        sys.path.pop(0)
+    assert PEER_WORKLOADS == {k: list(v) for k, v in WORKLOADS.items()}
