@@ -3,6 +3,7 @@ process settings that decide speed there. Environment variables are read here an
 
 - `STEADYLM_CPU_GEMM`: `onednn` (default) or `torch`, the dense matmul on the CPU.
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
+- `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 """
 
 from __future__ import annotations
@@ -49,17 +50,28 @@ def resolve_dtype(name: str, mc: ModelConfig, device: torch.device) -> torch.dty
     return dtype
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether /proc/cpuinfo lists avx512_bf16 or amx_bf16 (x86; False elsewhere)."""
+def _cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether /proc/cpuinfo lists avx512_bf16 or amx_bf16 (x86; False elsewhere)."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags_key() -> str:
+    """Identifies the CPU's instruction set, for code compiled with -march=native."""
+    import platform as _py_platform
+
+    return _py_platform.machine() + ":" + " ".join(sorted(_cpu_flags()))
 
 
 def device_memory(device: torch.device) -> DeviceMemory:
@@ -101,6 +113,11 @@ def _choice(var: str, allowed: tuple[str, ...]) -> str:
 def cpu_gemm() -> str:
     """'onednn': dense CPU linears run oneDNN on weights prepacked at load; 'torch': F.linear."""
     return _choice("STEADYLM_CPU_GEMM", ("onednn", "torch"))
+
+
+def cpu_kernels() -> str:
+    """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
+    return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))
 
 
 def tune_cpu_allocator() -> bool:

@@ -1,4 +1,6 @@
 """Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
+On the CPU, decode groups (one new token per sequence, unquantized cache) go to the native
+paged kernel in steadylm/kernels instead, which reads the blocks in place.
 
 Per group, one batched SDPA call: queries padded to (S, max_q), keys gathered from the block
 tables up to the group's longest context, and a boolean causal (optionally sliding-window) mask.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from steadylm import kernels
 from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
 
 _LEVELS = {8: 255, 4: 15}
@@ -77,8 +80,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         _zero_new_blocks(cache, md)
+        native = None
+        if cache.quant_policy == 0:
+            native = kernels.native_decode_attention(cache.k.dtype, cache.k.device)
         for g in md.groups:
-            g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
+            if native is not None and g.max_query_len == 1:
+                # Decode reads the paged cache in place: no gather, no tiles, no mask.
+                g.prepared = {"native": native, "window": md.sliding_window or 0}
+            else:
+                g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
         slots = md.slot_mapping
@@ -95,8 +105,14 @@ class TorchAttentionBackend(AttentionBackend):
             params[layer].view(-1, *sz.shape[1:]).index_copy_(0, slots, sz)
 
     def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
+        if len(md.groups) == 1 and "native" in md.groups[0].prepared:
+            return _native_decode(q, cache, layer, md.groups[0], scale)
         out = torch.empty_like(q)
         for g in md.groups:
+            if "native" in g.prepared:
+                rows = slice(g.token_start, g.token_end)
+                out[rows] = _native_decode(q[rows], cache, layer, g, scale)
+                continue
             for t in g.prepared["tiles"]:
                 k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["blocks"], q.dtype)
                 v = _gather(cache, cache.v, cache.v_scale_zero, layer, t["blocks"], q.dtype)
@@ -118,6 +134,13 @@ class TorchAttentionBackend(AttentionBackend):
                 ).transpose(1, 2)  # (S, Q, H, D)
                 out[t["out_index"]] = o[t["q_valid"]]
         return out
+
+
+def _native_decode(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
+    p = g.prepared
+    return p["native"](
+        q, cache.k[layer], cache.v[layer], g.block_tables, g.context_lens, scale, p["window"]
+    )
 
 
 def _decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:

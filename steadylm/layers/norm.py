@@ -1,11 +1,12 @@
-"""RMSNorm, computed in float32 as HF Llama does, then cast back."""
+"""RMSNorm, computed in float32 as HF Llama does, then cast back; optionally fused with the
+residual add before it (vLLM's `RMSNorm(x, residual)` convention)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from steadylm import kernels
 from steadylm.layers.linear import default_weight_loader
 
 
@@ -16,11 +17,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # HF's math exactly, weight included, in one kernel (one op fewer per norm).
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # One fused kernel for x * rsqrt(mean(x^2) + eps) in fp32, as HF does, then the weight
-        # on the value cast back to the model dtype (HF's rounding order).
-        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual), the sum rounded to
+        the model dtype first as HF's `residual + hidden_states` is. The native CPU kernel does
+        the add and the norm in one pass (steadylm/kernels)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

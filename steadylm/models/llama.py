@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steadylm import kernels
 from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
 from steadylm.layers.linear import Linear, default_weight_loader, make_linear
@@ -67,8 +68,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # [gate | up] halves
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +79,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, backend, cache, md):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, backend, cache, md):
+        """x: the previous layer's MLP output, residual: the stream before it (None at layer
+        0, where x is the embedding). Returns this layer's (MLP output, residual stream); the
+        adds happen inside the next norm, as HF's `residual + hidden_states`."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, backend, cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Embedding(nn.Module):
@@ -107,9 +115,10 @@ class DecoderModel(nn.Module):
     def forward(self, ids, positions, backend, cache, md):
         x = self.embed_tokens(ids)  # (T, C)
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, for every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, backend, cache, md)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, backend, cache, md)
+        return self.norm(x, residual)[0]
 
 
 @register("LlamaForCausalLM")

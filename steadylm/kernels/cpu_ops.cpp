@@ -1,0 +1,298 @@
+// steadylm's native CPU kernels: the small per-layer ops of a decode step, fused, and decode
+// attention that reads the paged KV cache in place. Each has a pure-torch reference in
+// steadylm/kernels/__init__.py that the tests hold it to. Built once per machine by
+// torch.utils.cpp_extension (compiled for this CPU: -march=native).
+//
+// Numerics follow transformers' order: RMSNorm and SiLU in fp32, rounded to the model dtype
+// where torch would round (so bf16 results match torch's bf16 op sequence).
+
+#if defined(__AVX512F__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// float and bfloat16 only (the dtypes the CPU path runs).
+#define SL_DISPATCH(dtype, name, ...)                                          \
+  [&] {                                                                        \
+    if ((dtype) == at::kFloat) {                                               \
+      using scalar_t = float;                                                  \
+      __VA_ARGS__();                                                           \
+    } else if ((dtype) == at::kBFloat16) {                                     \
+      using scalar_t = c10::BFloat16;                                          \
+      __VA_ARGS__();                                                           \
+    } else {                                                                   \
+      TORCH_CHECK(false, name, ": only float32 and bfloat16 are supported");   \
+    }                                                                          \
+  }()
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+// Round through the model dtype, as a torch op with a bf16 output would.
+template <typename T>
+inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) Vec::loadu(x + i).exp_u20().store(x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------
+// out = w * (x * rsqrt(mean(x^2) + eps)), mean in fp32 (transformers' LlamaRMSNorm).
+// With a residual: residual += x first (rounded to the model dtype), and the sum is normed.
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t c,
+                   double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(c);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * c;
+      T* rr = residual ? residual + r * c : nullptr;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < c; ++i) {
+        float v = to_f(xr[i]);
+        if (rr) v = round_to<T>(v + to_f(rr[i]));
+        buf[i] = v;
+        ss += v * v;
+      }
+      if (rr)
+        for (int64_t i = 0; i < c; ++i) rr[i] = from_f<T>(buf[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
+      T* o = out + r * c;
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), what, ": x must be contiguous on CPU");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == x.scalar_type() && w.is_contiguous(), what,
+              ": weight must be 1-D, contiguous, of x's dtype");
+  TORCH_CHECK(x.size(-1) == w.size(0), what, ": last dim of x must equal the weight size");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm");
+  auto out = at::empty_like(x);
+  const int64_t c = w.size(0), rows = x.numel() / std::max<int64_t>(c, 1);
+  SL_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), rows, c, eps);
+  });
+  return out;
+}
+
+// residual <- residual + x (in place); returns rms_norm(residual) * w.
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
+                              double eps) {
+  check_rows(x, w, "fused_add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.is_contiguous(),
+              "fused_add_rms_norm: residual must be contiguous with x's shape and dtype");
+  auto out = at::empty_like(x);
+  const int64_t c = w.size(0), rows = x.numel() / std::max<int64_t>(c, 1);
+  SL_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                            w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, c, eps);
+  });
+  return out;
+}
+
+// ---- SiLU and multiply -----------------------------------------------------------------
+// x (T, 2I) = [gate | up] -> silu(gate) * up (T, I); silu rounded to the dtype first.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.size(-1) % 2 == 0,
+              "silu_and_mul: x must be contiguous on CPU with an even last dim");
+  const int64_t d = x.size(-1) / 2, rows = x.numel() / std::max<int64_t>(2 * d, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  auto out = at::empty(sizes, x.options());
+  SL_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+      std::vector<float> e(d);
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* g = xp + r * 2 * d;
+        const scalar_t* u = g + d;
+        for (int64_t i = 0; i < d; ++i) e[i] = -to_f(g[i]);
+        exp_inplace(e.data(), d);
+        scalar_t* o = op + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float s = round_to<scalar_t>(to_f(g[i]) / (1.f + e[i]));
+          o[i] = from_f<scalar_t>(s * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- Paged decode attention ------------------------------------------------------------
+// One new token per sequence. q (S, H, D); k/v cache (num_blocks, block_size, Hkv, D);
+// block_tables (S, max_blocks) int64; context_lens (S,) int64 (the new token included).
+// Query head h reads KV head h / (H / Hkv) (transformers' repeat_kv). A window W > 0 keeps
+// the last W positions. Keys are read where they lie: no gather, no padding.
+//
+// Work items are (sequence, span of positions), each reading its tokens' rows (all KV heads,
+// contiguous within a block) front to back, so the reads stream; a short batch splits each
+// context into spans across threads (flash-decoding) and merges the spans' partial softmaxes.
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                           const at::Tensor& tables, const at::Tensor& lens, double scale,
+                           int64_t window, at::Tensor& out) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = kc.size(1), hkv = kc.size(2), G = H / hkv;
+  const int64_t max_blocks = tables.size(1);
+  const int64_t qs = q.stride(0);  // q may be a row slice of the fused qkv tensor
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t row = hkv * D;  // elements per cached token
+  const float sc = static_cast<float>(scale);
+  constexpr int64_t kMinSpan = 64;
+  const int64_t threads = at::get_num_threads();
+  const int64_t spans = S >= threads ? 1 : (threads + S - 1) / S;
+  // Partials per (sequence, span, head): running max, sum of exp, unnormalised output.
+  std::vector<float> pmax(S * spans * H, -std::numeric_limits<float>::infinity());
+  std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
+  at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(H * D), p;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / spans, span = item % spans;
+      const int64_t ctx = lp[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t len = std::max<int64_t>(kMinSpan, (ctx - first + spans - 1) / spans);
+      const int64_t lo = first + span * len, hi = std::min(ctx, lo + len);
+      if (lo >= hi) continue;
+      const int64_t n = hi - lo;
+      const int64_t* table = tp + s * max_blocks;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qp[s * qs + h * D + d]) * sc;
+      p.resize(H * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = lo + t;
+        const T* k = kp + (table[pos / bs] * bs + pos % bs) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qf.data() + h * D;
+          const T* kh = k + (h / G) * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f(kh[d]);
+          p[h * n + t] = dot;
+        }
+      }
+      float* mx = pmax.data() + item * H;
+      float* sm = psum.data() + item * H;
+      float* acc = pacc.data() + item * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* ph = p.data() + h * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, ph[t]);
+        for (int64_t t = 0; t < n; ++t) ph[t] -= m;
+        exp_inplace(ph, n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) sum += ph[t];
+        mx[h] = m;
+        sm[h] = sum;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = lo + t;
+        const T* v = vp + (table[pos / bs] * bs + pos % bs) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float w = p[h * n + t];
+          const T* vh = v + (h / G) * D;
+          float* a = acc + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += w * to_f(vh[d]);
+        }
+      }
+    }
+  });
+  // Merge the spans of each (sequence, head): rescale each by exp(max_span - max_all).
+  at::parallel_for(0, S * H, 64, [&](int64_t j0, int64_t j1) {
+    std::vector<float> o(D);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t s = j / H, h = j % H;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < spans; ++sp) m = std::max(m, pmax[(s * spans + sp) * H + h]);
+      float total = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        const int64_t i = (s * spans + sp) * H + h;
+        if (psum[i] == 0.f) continue;  // an empty span
+        const float f = spans == 1 ? 1.f : std::exp(pmax[i] - m);
+        total += psum[i] * f;
+        const float* a = pacc.data() + i * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) op[(s * H + h) * D + d] = from_f<T>(o[d] * inv);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode_attention: q (S, H, D) with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: k/v cache (num_blocks, block_size, Hkv, D) contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: cache dtype must equal q's");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: head_dim must match and H divide by Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode_attention: int64 block_tables (S, B) and context_lens (S,)");
+  auto out = at::empty(q.sizes(), q.options());
+  SL_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                    window, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(steadylm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+        &fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int window) -> Tensor",
+      &paged_decode_attention);
+}

@@ -1,0 +1,136 @@
+"""The native CPU kernels (steadylm/kernels) against their pure-torch references, and the
+engine's greedy tokens against transformers with the kernels on and off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from steadylm import kernels
+from steadylm.engine.request import SamplingParams
+from steadylm.errors import ConfigError
+from tests.conftest import engine_for, hf_greedy
+
+ops = kernels.native_ops()
+needs_native = pytest.mark.skipif(ops is None, reason=f"native CPU kernels: {kernels.status()}")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+
+
+def test_native_kernels_build_in_ci():
+    """CI has a compiler: the kernels must build there, or the fast path silently rots."""
+    if os.environ.get("CI") != "true":
+        pytest.skip("only enforced in CI (CI=true)")
+    assert ops is not None, kernels.status()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 768), (5, 48), (3, 2, 40)])  # 40, 48: vector tails
+def test_rms_norm_matches_reference(dtype, shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype)
+    w = torch.randn(shape[-1], dtype=dtype)
+    want = kernels.rms_norm_ref(x, w, 1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), want, **_tol(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_the_residual_in_place(dtype):
+    torch.manual_seed(0)
+    x, r = torch.randn(4, 72, dtype=dtype), torch.randn(4, 72, dtype=dtype)
+    w = torch.randn(72, dtype=dtype)
+    total = x + r  # rounded to the dtype, as HF's residual add
+    want = kernels.rms_norm_ref(total, w, 1e-5)
+    r_in = r.clone()
+    out, res = kernels.fused_add_rms_norm(x, r_in, w, 1e-5)
+    assert res is r_in and torch.equal(res, total)  # the sum is bit-exact
+    torch.testing.assert_close(out, want, **_tol(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 2 * 80, dtype=dtype) * 4
+    torch.testing.assert_close(ops.silu_and_mul(x), kernels.silu_and_mul_ref(x), **_tol(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_seqs,heads,kv_heads,window",
+    [(1, 12, 4, 0), (1, 4, 4, 0), (3, 8, 2, 0), (2, 8, 2, 50), (9, 4, 1, 0)],
+)
+def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window):
+    """Scattered block tables, lengths that end mid-block, spans split across threads (one
+    or two sequences), GQA and MHA, sliding windows."""
+    torch.manual_seed(0)
+    nb, bs, d = 40, 8, 32
+    kc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
+    lens = torch.tensor([1, 157, 83, 64, 9, 200, 31, 120, 77][:num_seqs])
+    tables = torch.stack([torch.randperm(nb)[:25] for _ in range(num_seqs)])
+    q = torch.randn(num_seqs, heads, d, dtype=dtype)
+    want = kernels.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.17, window)
+    got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17, window)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # q as a row slice of a wider tensor (the fused qkv projection's output)
+    wide = torch.cat([q, torch.randn(num_seqs, 2, d, dtype=dtype)], dim=1)
+    sliced = ops.paged_decode_attention(wide[:, :heads], kc, vc, tables, lens, 0.17, window)
+    torch.testing.assert_close(sliced, got, rtol=0, atol=0)
+
+
+@needs_native
+def test_bad_inputs_raise_not_crash():
+    q = torch.randn(2, 4, 16)
+    kc = torch.randn(10, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.paged_decode_attention(
+            q, kc, kc, torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.long), 1.0, 0
+        )
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1)
+
+
+def test_entry_points_fall_back_to_the_references(monkeypatch):
+    """Unsupported inputs (float64, non-contiguous) and a missing build take the references."""
+    x = torch.randn(3, 32, dtype=torch.float64)
+    w = torch.randn(32, dtype=torch.float64)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6))
+    wide = torch.randn(3, 64)
+    assert torch.equal(kernels.silu_and_mul(wide[:, ::2]), kernels.silu_and_mul_ref(wide[:, ::2]))
+    monkeypatch.setitem(kernels._state, "ops", None)
+    y = torch.randn(3, 32)
+    out, res = kernels.fused_add_rms_norm(y, y.clone(), torch.ones(32), 1e-6)
+    assert torch.equal(res, y + y)
+    assert kernels.native_decode_attention(torch.float32, torch.device("cpu")) is None
+
+
+def test_cpu_kernels_setting_is_validated(monkeypatch):
+    from steadylm import platform
+
+    monkeypatch.setenv("STEADYLM_CPU_KERNELS", "fast")
+    with pytest.raises(ConfigError, match="STEADYLM_CPU_KERNELS"):
+        platform.cpu_kernels()
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_greedy_matches_transformers_with_kernels_on_and_off(arch, model_dirs, monkeypatch):
+    """Batched decode of prompts of different lengths (mistral: past its sliding window)."""
+    hf, path = model_dirs(arch)
+    prompts = [[3, 17, 42, 5, 88, 61, 9, 23], [7, 7, 31], list(range(5, 35))]
+    want = [hf_greedy(hf, p, 20) for p in prompts]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for native in (ops, None):
+        monkeypatch.setitem(kernels._state, "ops", native)
+        engine = engine_for(path)
+        got = [r.output_token_ids for r in engine.generate(prompts, params)]
+        assert got == want, f"kernels {'native' if native else 'torch'}"
