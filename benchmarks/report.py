@@ -58,6 +58,36 @@ def offline_table(d: str, workload: str, engines: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+BOUND_RUNS = [  # fp32 W2 runs that run_all.sh brackets with bandwidth readings
+    ("steadylm fp32", "steadylm-fp32-W2"),
+    ("llama.cpp f32", "llamacpp-W2"),
+    ("openvino-genai f32", "ov-f32-W2"),
+    ("ctranslate2 fp32", "ct2-fp32-W2"),
+]
+
+
+def bound_table(d: str) -> str:
+    """W2 decode tok/s as a share of the bound from the bandwidth read just before and just
+    after that run (their mean), so the machine's drift between runs cancels."""
+    lines = [
+        "| engine | decode tok/s | GB/s before / after | bound tok/s | share of bound |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for label, tag in BOUND_RUNS:
+        run = load(d, f"{tag}.json")
+        before, after = load(d, f"membw-{tag}-before.json"), load(d, f"membw-{tag}-after.json")
+        if not (run and before and after):
+            continue
+        summary = next(iter(run["results"].values()))
+        tps = summary["decode_tokens_per_s_per_request"]["median"]
+        bound = (before["bound_tokens_per_s"] + after["bound_tokens_per_s"]) / 2
+        lines.append(
+            f"| {label} | {tps:.1f} | {before['bandwidth_GBps']:.1f} / "
+            f"{after['bandwidth_GBps']:.1f} | {bound:.1f} | {100 * tps / bound:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     d = (argv or sys.argv[1:] or ["bench_out"])[0]
     engines = [
@@ -81,6 +111,8 @@ def main(argv=None) -> int:
             f"{bw['step_weight_bytes']:,}, bound {bw['bound_tokens_per_s']:.1f} tok/s "
             f"({bw['bound_step_ms']:.2f} ms/step)"
         )
+    print("\n### W2 against the bandwidth bound\n")
+    print(bound_table(d))
     for name in ("serve-c16.json", "serve-r2.json"):
         data = load(d, name)
         if data:

@@ -13,8 +13,17 @@ mkdir -p $OUT
 M=$OUT/llama-110m
 KV="--max-total-tokens 65536"
 python benchmarks/membw.py --model $M --json $OUT/membw.json
+# The W2 target is a ratio to the bandwidth bound, and this VM's bandwidth drifts by tens of
+# percent within minutes: each fp32 W2 run is bracketed by its own bandwidth readings.
+around_bw() { # TAG COMMAND...: membw-TAG-before.json, the command, membw-TAG-after.json
+  local tag=$1; shift
+  python benchmarks/membw.py --model $M --json $OUT/membw-$tag-before.json >/dev/null
+  "$@"
+  python benchmarks/membw.py --model $M --json $OUT/membw-$tag-after.json >/dev/null
+}
 for w in W1 W2 sweep; do
-  steadylm --log-level WARNING bench offline --model $M --workload $w $KV --json $OUT/steadylm-fp32-$w.json
+  if [ $w = W2 ]; then BW="around_bw steadylm-fp32-W2"; else BW=""; fi
+  $BW steadylm --log-level WARNING bench offline --model $M --workload $w $KV --json $OUT/steadylm-fp32-$w.json
   python benchmarks/peer_transformers.py --model $M --workload $w --json $OUT/hf-fp32-$w.json
 done
 for w in W1 W2; do
@@ -23,22 +32,21 @@ for w in W1 W2; do
   steadylm --log-level WARNING bench offline --model $OUT/llama-110m-awq --workload $w $KV --json $OUT/steadylm-awq-$w.json
 done
 if [ $# -ge 2 ]; then
-  for w in W1 W2; do
-    "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload $w --json $OUT/llamacpp-$w.json
-  done
+  "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload W1 --json $OUT/llamacpp-W1.json
+  around_bw llamacpp-W2 "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload W2 --json $OUT/llamacpp-W2.json
 fi
 if [ -n "${OV_VENV:-}" ]; then
   for w in W1 W2 sweep; do
-    "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
+    if [ $w = W2 ]; then BW="around_bw ov-f32-W2"; else BW=""; fi
+    $BW "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
   done
   for w in W1 W2; do
     "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --precision bf16 --json $OUT/ov-bf16-$w.json
   done
 fi
 if [ -n "${CT2_VENV:-}" ]; then
-  for w in W1 W2; do
-    "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload $w --json $OUT/ct2-fp32-$w.json
-  done
+  "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload W1 --json $OUT/ct2-fp32-W1.json
+  around_bw ct2-fp32-W2 "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload W2 --json $OUT/ct2-fp32-W2.json
 fi
 PORT=23999
 steadylm --log-level WARNING serve $M --server-port $PORT $KV &

@@ -165,3 +165,26 @@ def test_peer_workloads_match_steadylms():
     finally:
         sys.path.pop(0)
     assert PEER_WORKLOADS == {k: list(v) for k, v in WORKLOADS.items()}
+
+
+def test_report_uses_each_runs_own_bandwidth_readings(tmp_path):
+    """The W2 share of the bound divides by the mean of the readings around that run."""
+
+    def put(name, obj):
+        (tmp_path / name).write_text(json.dumps(obj))
+
+    put(
+        "steadylm-fp32-W2.json",
+        {
+            "results": {
+                "1 x 256 -> 128": {
+                    "decode_tokens_per_s_per_request": {"median": 80.0, "min": 79.0, "max": 81.0}
+                }
+            }
+        },
+    )
+    put("membw-steadylm-fp32-W2-before.json", {"bandwidth_GBps": 40.0, "bound_tokens_per_s": 90.0})
+    put("membw-steadylm-fp32-W2-after.json", {"bandwidth_GBps": 50.0, "bound_tokens_per_s": 110.0})
+    out = run(str(ROOT / "benchmarks" / "report.py"), str(tmp_path))
+    row = next(line for line in out.splitlines() if line.startswith("| steadylm fp32 | 80.0"))
+    assert "40.0 / 50.0" in row and "| 100.0 |" in row and row.endswith("| 80% |")
