@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steadylm import platform
+from steadylm import kernels, platform
 from steadylm.attention import get_backend
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.block_manager import BlockManager
@@ -78,6 +78,8 @@ class LLMEngine:
         self.session_len = plan.session_len
         if device.type == "cpu":
             platform.tune_cpu_allocator()
+            # Built (once per machine) or loaded now, not inside the first request's step.
+            logger.info("CPU kernels: %s", kernels.status())
         backend = get_backend("torch")
         self.kv_cache = backend.allocate(
             model_config.num_layers,

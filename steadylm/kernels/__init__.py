@@ -85,15 +85,14 @@ def status() -> str:
 
 
 def _native_for(*tensors: torch.Tensor):
-    ops = _state["ops"] if "ops" in _state else native_ops()
-    if ops is None:
-        return None
+    """The native ops if every tensor is one they take (checked first: a CUDA tensor never
+    triggers the CPU build)."""
     for t in tensors:
         if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
             return None
         if not t.is_contiguous():
             return None
-    return ops
+    return _state["ops"] if "ops" in _state else native_ops()
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -169,7 +168,7 @@ def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
     """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
     window) -> out` for an unquantized cache of this dtype and device, or None: the caller
     keeps its own batched reference (attention/torch_ref.py)."""
-    ops = _state["ops"] if "ops" in _state else native_ops()
-    if ops is None or device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
+    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
         return None
-    return ops.paged_decode_attention
+    ops = _state["ops"] if "ops" in _state else native_ops()
+    return None if ops is None else ops.paged_decode_attention
