@@ -2,11 +2,12 @@
 
 A decode step at batch 1 runs ~50 weight matmuls and ~400 small torch ops; in eager torch the
 small ops (RMSNorm's five kernels, SiLU-and-multiply, SDPA over a gathered copy of the paged
-KV cache) cost 1.8 ms of a 12 ms step on a 2-vCPU Zen 4 VM, measured with the matmuls stubbed
-out. `cpu_ops.cpp` does each in one pass, and reads the KV cache where it lies.
+KV cache) cost 2.1-2.3 ms of a 12 ms step on a 2-vCPU Zen 4 VM, measured with the matmuls
+stubbed out, and 1.1-1.2 ms with these kernels. `cpu_ops.cpp` does each in one pass, and
+reads the KV cache where it lies (docs/benchmarks.md has the measurements).
 
 The kernels are compiled once per machine and torch version with torch.utils.cpp_extension
-(`-O3 -march=native`, cached under torch's extension directory; ~30 s the first time). If
+(`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time). If
 that fails (no compiler, no ninja) the engine logs why and runs the references.
 `STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors always take the references.
 
