@@ -134,3 +134,21 @@ def test_greedy_matches_transformers_with_kernels_on_and_off(arch, model_dirs, m
         engine = engine_for(path)
         got = [r.output_token_ids for r in engine.generate(prompts, params)]
         assert got == want, f"kernels {'native' if native else 'torch'}"
+
+
+def test_a_failed_build_falls_back_with_the_reason(monkeypatch, caplog):
+    """No compiler (or any build error): the engine keeps running on the references and the
+    log says why, instead of failing to start."""
+    import torch.utils.cpp_extension as cpp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'steadylm_cpu_ops': g++ not found")
+
+    monkeypatch.setattr(cpp, "load", broken)
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level("WARNING", logger="steadylm.kernels"):
+        assert kernels.native_ops() is None
+    assert "g++ not found" in kernels.status()
+    assert "pure-torch references" in caplog.text
+    x, w = torch.randn(2, 16), torch.randn(16)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6))

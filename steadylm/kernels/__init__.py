@@ -66,7 +66,8 @@ def native_ops():
                 )
                 ops = torch.ops.steadylm_cpu
             except Exception as exc:  # no compiler, no ninja, a failed build: run the references
-                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+                last = (str(exc).strip().splitlines() or [""])[-1]  # the compiler's verdict
+                error = f"{type(exc).__name__}: {last}"
                 logger.warning(
                     "steadylm CPU kernels unavailable (%s); running the pure-torch references "
                     "(slower). Set STEADYLM_CPU_KERNELS=torch to skip the build.",
