@@ -94,7 +94,7 @@ def _native_for(*tensors: torch.Tensor):
             return None
         if not t.is_contiguous():
             return None
-    return _state["ops"] if "ops" in _state else native_ops()
+    return native_ops()
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -172,5 +172,5 @@ def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
     keeps its own batched reference (attention/torch_ref.py)."""
     if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
         return None
-    ops = _state["ops"] if "ops" in _state else native_ops()
+    ops = native_ops()
     return None if ops is None else ops.paged_decode_attention
