@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark in docs/benchmarks.md, side by side in one session, 3 runs each.
-# Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV GGUF] 
+# Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV GGUF]
 # Optional peers, each from its own venv (see docs/benchmarks.md), set by environment:
 #   OV_VENV + OV_MODEL (openvino-genai), CT2_VENV + CT2_MODEL (ctranslate2).
 set -euo pipefail

@@ -232,6 +232,3 @@ class AWQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.apply(x)
         return y + self.bias if self.bias is not None else y
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return y.split(self.output_sizes, dim=-1)

@@ -134,9 +134,6 @@ class MergedLinear(Linear):
             )
         target.copy_(loaded)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return y.split(self.output_sizes, dim=-1)
-
 
 def make_linear(
     cfg, in_features: int, output_sizes: list[int], bias: bool, names: list[str]
