@@ -17,6 +17,7 @@ the kernel does not cover (non-contiguous, other dtypes, other devices).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -174,3 +175,56 @@ def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
         return None
     ops = native_ops()
     return None if ops is None else ops.paged_decode_attention
+
+
+# ---- small-batch linear over oneDNN's packed weight ---------------------------------------
+PACKED_LINEAR_MAX_ROWS = 4  # decode at batch 1-4; larger batches stay on oneDNN's matmul
+
+
+def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """The address of an oneDNN (MKLDNN) tensor's buffer and a CPU tensor viewing it as raw
+    bits (int32 for fp32, int16 for bf16); the view is valid while `packed` lives."""
+    addr = int(torch.ops.mkldnn.data_ptr(packed))
+    nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=bits)
+    return addr, raw
+
+
+def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The address of `packed` (oneDNN's reorder of `weight`, (N, K)) if its buffer holds
+    exactly the layout `packed_linear` reads, else None (oneDNN's matmul serves every batch).
+
+    oneDNN picks its blocked layout per ISA, shape and version, so it is not assumed: the
+    whole buffer is compared bit for bit with the layout built from `weight`, once per layer
+    at load time."""
+    n, k = weight.shape
+    dt = weight.dtype
+    if n % 64 or k % 16 or dt not in (torch.float32, torch.bfloat16):
+        return None
+    ops = _native_for(weight)
+    if ops is None:
+        return None
+    layouts = ops.packed_linear_layouts().split(",")
+    if {torch.float32: "f32", torch.bfloat16: "bf16"}[dt] not in layouts:
+        return None
+    try:
+        addr, raw = _packed_buffer(packed, dt)
+    except (RuntimeError, AttributeError, ValueError):  # not an MKLDNN tensor, an old torch
+        return None
+    if raw.numel() != n * k:
+        return None
+    bits = weight.view(torch.int32 if dt == torch.float32 else torch.int16)
+    if dt == torch.float32:  # (N / 64, K, 64)
+        expect = bits.view(n // 64, 64, k).transpose(1, 2)
+        got = raw.view(n // 64, k, 64)
+    else:  # (N / 64, K / 2, 64, 2)
+        expect = bits.view(n // 64, 64, k // 2, 2).transpose(1, 2)
+        got = raw.view(n // 64, k // 2, 64, 2)
+    return addr if torch.equal(got, expect) else None
+
+
+def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ W^T (+ bias) for 1 <= M <= PACKED_LINEAR_MAX_ROWS, W at an
+    address `packed_linear_address` returned."""
+    return native_ops().packed_linear(x, address, n, bias)

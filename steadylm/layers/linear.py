@@ -6,7 +6,10 @@ checkpoint has several; their loader copies each checkpoint shard into its row r
 After loading, a dense layer on the CPU hands its weight to a `LinearKernel`: oneDNN's matmul on
 a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
-faster for bf16 too. `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
+faster for bf16 too. At batch 1-4 (decode) the same packed buffer is read in place by
+`kernels.packed_linear`, a GEMV that streams the weights at ~96% of the measured read
+bandwidth where oneDNN's matmul reaches ~86% (docs/benchmarks.md); the layer keeps one copy.
+`STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steadylm import platform
+from steadylm import kernels, platform
 from steadylm.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class OneDNNDenseKernel(LinearKernel):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        # Where the small-batch GEMV can read self.weight in place (None: oneDNN only).
+        self.gemv_address = kernels.packed_linear_address(weight, self.weight)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -71,9 +76,11 @@ class OneDNNDenseKernel(LinearKernel):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias, "none", [], ""
-        )
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.gemv_address is not None and x2.shape[0] <= kernels.PACKED_LINEAR_MAX_ROWS:
+            y = kernels.packed_linear(x2, self.gemv_address, self.out_features, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
         return y.view(*shape, self.out_features)
 
 

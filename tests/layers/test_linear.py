@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from steadylm import kernels
 from steadylm.engine.request import SamplingParams
 from steadylm.layers.linear import Linear, OneDNNDenseKernel
 from steadylm.loader import model_weight_bytes
@@ -72,3 +73,83 @@ def test_both_gemm_paths_match_transformers(arch, model_dirs, monkeypatch):
         assert engine.generate([prompt], params)[0].output_token_ids == want
         sizes[choice] = model_weight_bytes(engine.runner.model)
     assert sizes["onednn"] == sizes["torch"]  # the plan's weight bytes hold for both
+
+
+# ---- the small-batch GEMV over oneDNN's packed buffer (kernels.packed_linear) -------------
+def _gemv_kernel(w, b):
+    kernel = OneDNNDenseKernel(w, b)
+    if kernel.gemv_address is None:
+        pytest.skip(
+            f"oneDNN's packed layout for {tuple(w.shape)} {w.dtype} on this CPU is not one "
+            f"packed_linear reads (native kernels: {kernels.status()})"
+        )
+    return kernel
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias):
+    torch.manual_seed(0)
+    w = torch.randn(1280, 768, dtype=dtype)
+    b = torch.randn(1280, dtype=dtype) if bias else None
+    kernel = _gemv_kernel(w, b)
+    for m in range(1, kernels.PACKED_LINEAR_MAX_ROWS + 2):  # the last row count is oneDNN's
+        x = torch.randn(m, 768, dtype=dtype)
+        got = kernel.apply(x)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, kernel.weight, b, "none", [], "")
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=0.02, atol=0.5)
+        torch.testing.assert_close(got.double(), ref, **tol)
+        if dtype == torch.bfloat16:  # same products, fp32 sums, one rounding: at most 1 ulp
+            assert (
+                got.float() - onednn.float()
+            ).abs().max() <= 2 * onednn.float().abs().max() / 128
+        else:
+            torch.testing.assert_close(got, onednn, rtol=1e-4, atol=1e-3)
+
+
+@needs_onednn
+def test_packed_gemv_reads_the_layer_s_own_weight():
+    """The layout check is against the weight that was packed: another weight's buffer, or a
+    shape the kernel does not cover (N % 64), keeps oneDNN's matmul for every batch."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 128)
+    kernel = _gemv_kernel(w, None)
+    ops = kernels.native_ops()
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):  # a caller's bug, not a crash
+        ops.packed_linear(torch.randn(5, 128), kernel.gemv_address, 256, None)
+    with pytest.raises(RuntimeError, match="N % 64"):
+        ops.packed_linear(torch.randn(1, 128), kernel.gemv_address, 200, None)
+    other = torch.ops.mkldnn._reorder_linear_weight(torch.randn(256, 128))
+    assert kernels.packed_linear_address(w, other) is None
+    odd = torch.randn(100, 128)
+    assert OneDNNDenseKernel(odd, None).gemv_address is None
+    assert kernels.packed_linear_address(w, w) is None  # a plain tensor is not oneDNN's buffer
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_greedy_matches_transformers_through_the_packed_gemv(arch, monkeypatch, tmp_path):
+    """Shapes the GEMV takes (every N % 64 == 0): decode at batch 1-3 runs it, prefill and
+    batch 5 run oneDNN; greedy tokens equal transformers' in every case."""
+    from tests.conftest import make_hf_model
+
+    hf = make_hf_model(arch, hidden_size=64, intermediate_size=128, vocab_size=128)
+    hf.save_pretrained(tmp_path)
+    engine = engine_for(str(tmp_path))
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj.kernel
+    if qkv.gemv_address is None:
+        pytest.skip(
+            f"oneDNN's packed layout here is not one packed_linear reads: {kernels.status()}"
+        )
+    calls = []
+    real = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [[3, 17, 42, 5, 88, 61, 9, 23], [7, 7, 31], list(range(5, 35)), [9], [4, 4, 4, 4, 4]]
+    for group in (prompts[:1], prompts[:3], prompts):
+        want = [hf_greedy(hf, p, 12) for p in group]
+        got = [r.output_token_ids for r in engine.generate(group, params)]
+        assert got == want, len(group)
+    assert calls, "the GEMV never ran"
