@@ -27,6 +27,14 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return nbytes / best
 
 
+def print_json(out: dict, path: str | None) -> None:
+    """Print a result and, with a path, write it there too (the scripts' --json)."""
+    print(json.dumps(out, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+
+
 def step_weight_bytes(model_dir: str) -> int:
     """Bytes a decode step reads: every weight matrix except the embedding table (one row)."""
     from steadylm.loader import safetensors_files, tensor_shapes
@@ -55,10 +63,7 @@ def main(argv=None) -> int:
         "bound_step_ms": 1000 * wb / bw,
         "bound_tokens_per_s": bw / wb,
     }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    print_json(out, args.json)
     return 0
 
 

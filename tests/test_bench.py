@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +84,26 @@ def test_transformers_peer_and_membw_produce_results(tiny_model, tmp_path):
     assert "1 x 256 -> 128" in text
     bw = json.loads(run("benchmarks/membw.py", "--model", tiny_model))
     assert bw["bandwidth_GBps"] > 0 and bw["step_weight_bytes"] > 0
+
+
+def test_gemv_share_produces_a_result(tmp_path):
+    """The GEMV-vs-oneDNN microbenchmark still runs (one layer, one round); no speed asserted."""
+    from steadylm import kernels
+    from steadylm.layers.linear import OneDNNDenseKernel
+
+    probe = OneDNNDenseKernel(torch.randn(128, 64), None) if _onednn() else None
+    if probe is None or probe.gemv_address is None:
+        pytest.skip(f"no packed GEMV on this CPU / build ({kernels.status()})")
+    out = tmp_path / "gemv.json"
+    run("benchmarks/gemv_share.py", "--seconds", "0", "--layers", "1", "--json", str(out))
+    got = json.loads(out.read_text())
+    assert got["rounds"] >= 1 and got["gemv"] > 0 and got["onednn"] > 0
+
+
+def _onednn() -> bool:
+    from steadylm.layers.linear import OneDNNDenseKernel
+
+    return OneDNNDenseKernel.supports(torch.empty(1, 1))
 
 
 def test_serving_bench_against_a_real_server(tiny_model, tmp_path):
