@@ -77,7 +77,7 @@ class OneDNNDenseKernel(LinearKernel):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.gemv_address is not None and x2.shape[0] <= kernels.PACKED_LINEAR_MAX_ROWS:
+        if self.gemv_address is not None and 0 < x2.shape[0] <= kernels.PACKED_LINEAR_MAX_ROWS:
             y = kernels.packed_linear(x2, self.gemv_address, self.out_features, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")

@@ -94,6 +94,7 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias):
     w = torch.randn(1280, 768, dtype=dtype)
     b = torch.randn(1280, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
+    assert kernel.apply(torch.empty(0, 768, dtype=dtype)).shape == (0, 1280)  # no rows: oneDNN
     for m in range(1, kernels.PACKED_LINEAR_MAX_ROWS + 2):  # the last row count is oneDNN's
         x = torch.randn(m, 768, dtype=dtype)
         got = kernel.apply(x)
