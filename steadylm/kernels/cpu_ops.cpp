@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -292,8 +293,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // ---- small-batch linear over oneDNN's packed weight -------------------------------------
 // A decode step at batch 1-4 is a chain of GEMVs bound by how fast the weights stream from
-// memory; oneDNN's matmul reads them at ~86% of a plain torch.sum, this loop at ~96%
-// (docs/benchmarks.md). It reads the weight oneDNN reordered at load time, in place, so the
+// memory; oneDNN's matmul read them at 0.75-0.81 of a plain torch.sum's rate here, this loop
+// at 0.86-0.93 (benchmarks/gemv_share.py, docs/benchmarks.md). It reads the weight oneDNN reordered at load time, in place, so the
 // model keeps one copy: the caller (layers/linear.py) checks the layout exactly once per
 // layer and passes the buffer's address. Layouts read here, with N a multiple of 64:
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
@@ -302,7 +303,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // is broadcast against 64 outputs (4 AVX-512 accumulators per batch row).
 #if defined(__AVX512F__)
 constexpr int64_t kPackBlock = 64;
-constexpr int64_t kPrefetch = 2048;  // floats ahead of the load (8 KiB): measured best
+constexpr int64_t kPrefetch = 2048;  // floats ahead (8 KiB); 4 and 16 KiB within noise
 
 template <int M>
 void packed_gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t n,
@@ -380,6 +381,18 @@ constexpr bool kPackedBf16 = false;
 
 constexpr int64_t kPackedMaxRows = 4;
 
+// Calls f(std::integral_constant<int, m>) for m in 1..kPackedMaxRows (the kernels' batch
+// size is a template parameter: their accumulators live in registers).
+template <typename F>
+void by_rows(int64_t m, F&& f) {
+  switch (m) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // The layouts this build reads: "" when none (not AVX-512), else e.g. "f32,bf16".
 std::string packed_linear_layouts() {
 #if defined(__AVX512F__)
@@ -409,12 +422,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
     const float* wp = reinterpret_cast<const float*>(weight);
     const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    switch (m) {
-      case 1: packed_gemv_f32<1>(xp, wp, bp, yp, n, k); break;
-      case 2: packed_gemv_f32<2>(xp, wp, bp, yp, n, k); break;
-      case 3: packed_gemv_f32<3>(xp, wp, bp, yp, n, k); break;
-      default: packed_gemv_f32<4>(xp, wp, bp, yp, n, k); break;
-    }
+    by_rows(m, [&](auto rows) { packed_gemv_f32<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
     return y;
   }
 #if defined(__AVX512BF16__)
@@ -424,12 +432,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
     const bf* wp = reinterpret_cast<const bf*>(weight);
     const bf* bp = has_bias ? bias->data_ptr<bf>() : nullptr;
     bf* yp = y.data_ptr<bf>();
-    switch (m) {
-      case 1: packed_gemv_bf16<1>(xp, wp, bp, yp, n, k); break;
-      case 2: packed_gemv_bf16<2>(xp, wp, bp, yp, n, k); break;
-      case 3: packed_gemv_bf16<3>(xp, wp, bp, yp, n, k); break;
-      default: packed_gemv_bf16<4>(xp, wp, bp, yp, n, k); break;
-    }
+    by_rows(m, [&](auto rows) { packed_gemv_bf16<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
     return y;
   }
 #endif

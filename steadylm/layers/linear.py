@@ -7,8 +7,8 @@ After loading, a dense layer on the CPU hands its weight to a `LinearKernel`: on
 a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
 faster for bf16 too. At batch 1-4 (decode) the same packed buffer is read in place by
-`kernels.packed_linear`, a GEMV that streams the weights at ~96% of the measured read
-bandwidth where oneDNN's matmul reaches ~86% (docs/benchmarks.md); the layer keeps one copy.
+`kernels.packed_linear`, a GEMV that streamed the weights at 0.86-0.93 of a plain memory
+read's rate where oneDNN's matmul reached 0.75-0.81 (docs/benchmarks.md); one copy stays.
 `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
