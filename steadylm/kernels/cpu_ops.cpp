@@ -306,8 +306,8 @@ constexpr int64_t kPackBlock = 64;
 constexpr int64_t kPrefetch = 2048;  // floats ahead (8 KiB); 4 and 16 KiB within noise
 
 template <int M>
-void packed_gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t n,
-                     int64_t k) {
+void packed_gemv(const float* x, const float* w, const float* bias, float* y, int64_t n,
+                 int64_t k) {
   at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* wb = w + b * k * kPackBlock;
@@ -341,8 +341,8 @@ constexpr bool kPackedBf16 = true;
 // bf16 pairs (k, k+1) per output: vdpbf16ps multiplies them exactly and accumulates in fp32,
 // as oneDNN's own bf16 matmul does on this ISA; bias in fp32, one rounding to bf16 at the end.
 template <int M>
-void packed_gemv_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
-                      c10::BFloat16* y, int64_t n, int64_t k) {
+void packed_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+                 c10::BFloat16* y, int64_t n, int64_t k) {
   at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const c10::BFloat16* wb = w + b * k * kPackBlock;
@@ -393,6 +393,21 @@ void by_rows(int64_t m, F&& f) {
   }
 }
 
+#if defined(__AVX512F__)
+// y = x @ W^T (+ bias) through the packed_gemv overload for T, at x's row count.
+template <typename T>
+at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bias, at::Tensor y,
+                      int64_t n) {
+  const T* xp = x.data_ptr<T>();
+  const T* wp = reinterpret_cast<const T*>(weight);
+  const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t k = x.size(1);
+  by_rows(x.size(0), [&](auto rows) { packed_gemv<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
+  return y;
+}
+#endif
+
 // The layouts this build reads: "" when none (not AVX-512), else e.g. "f32,bf16".
 std::string packed_linear_layouts() {
 #if defined(__AVX512F__)
@@ -417,24 +432,10 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
                 "packed_linear: bias must be a contiguous (N,) tensor of x's dtype");
   auto y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat) {
-    const float* xp = x.data_ptr<float>();
-    const float* wp = reinterpret_cast<const float*>(weight);
-    const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-    float* yp = y.data_ptr<float>();
-    by_rows(m, [&](auto rows) { packed_gemv_f32<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
-    return y;
-  }
+  const at::Tensor* b = has_bias ? &*bias : nullptr;
+  if (x.scalar_type() == at::kFloat) return run_packed<float>(x, weight, b, y, n);
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    using bf = c10::BFloat16;
-    const bf* xp = x.data_ptr<bf>();
-    const bf* wp = reinterpret_cast<const bf*>(weight);
-    const bf* bp = has_bias ? bias->data_ptr<bf>() : nullptr;
-    bf* yp = y.data_ptr<bf>();
-    by_rows(m, [&](auto rows) { packed_gemv_bf16<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
-    return y;
-  }
+  if (x.scalar_type() == at::kBFloat16) return run_packed<c10::BFloat16>(x, weight, b, y, n);
 #endif
 #endif
   TORCH_CHECK(false, "packed_linear: dtype ", x.scalar_type(), " not built (layouts: '",
