@@ -6,26 +6,56 @@ Invariants (checked by `check_integrity`):
 - with prefix caching, a free block may keep its hash and stay findable until it is reused;
   such a block still counts as free capacity.
 Blocks are freed in exactly one place, `free()`.
+
+Prefix-cache keys decide whether one request may read KV that another request computed, so they
+must not collide, by accident or by a search: a key is SHA-256 over a canonical encoding of the
+parent key, the block's token ids and the engine's cache salt (model, dtype, quant_policy, block
+size). A hit is also verified: the cached block's own token ids and parent key must equal the
+request's, or it is a miss (vLLM's CVE-2025-25183 was an unverified 64-bit `hash()`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from steadylm.engine.request import Request
+
+BlockHash = bytes  # 32-byte SHA-256 digest
 
 
 @dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and its tokens are computed
+    block_hash: BlockHash | None = None  # set once the block is full and its tokens computed
+    token_ids: tuple[int, ...] = ()  # the tokens the hash was made from (verified on a hit)
+    parent_hash: BlockHash | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's identity is its tokens and every token before them."""
-    return hash((parent_hash, token_ids))
+def hash_block(
+    parent_hash: BlockHash | None, token_ids: tuple[int, ...], salt: bytes = b""
+) -> BlockHash:
+    """Chained key: a block's identity is its tokens, every token before them, and the salt.
+    Fixed-width fields (a 32-byte parent or 32 zero bytes, then the salt's length and bytes,
+    then the count and 8-byte little-endian ids) make the encoding unambiguous."""
+    h = hashlib.sha256()
+    h.update(parent_hash if parent_hash is not None else bytes(32))
+    h.update(len(salt).to_bytes(4, "little") + salt)
+    ids = array("q", token_ids)  # 8-byte signed on every platform CPython supports
+    if sys.byteorder == "big":
+        ids.byteswap()
+    h.update(len(token_ids).to_bytes(8, "little") + ids.tobytes())
+    return h.digest()
+
+
+def cache_salt(*parts: object) -> bytes:
+    """Everything besides the tokens that changes a block's KV (model, dtype, quant_policy,
+    block size, ...), folded into every block key of one engine."""
+    return hashlib.sha256(repr(parts).encode("utf-8", "backslashreplace")).digest()
 
 
 class BlockManager:
@@ -35,17 +65,19 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         watermark_blocks: int = 0,
+        salt: bytes = b"",
     ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
+        self.salt = salt
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks
+        self.req_hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -81,14 +113,18 @@ class BlockManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            parent = hash_block(parent, chunk)
-            block_id = self.cached.get(parent)
+            key = hash_block(parent, chunk, self.salt)
+            block_id = self.cached.get(key)
             if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent:
+                break  # a key collision: never serve another sequence's KV
             hits.append(block_id)
+            parent = key
         return hits
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -146,11 +182,12 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         for i in range(len(hashes), num_full):  # usually none: a block fills every bs steps
             chunk = tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
-            h = hash_block(hashes[-1] if hashes else None, chunk)
+            parent = hashes[-1] if hashes else None
+            h = hash_block(parent, chunk, self.salt)
             hashes.append(h)
             block = self.blocks[table[i]]
             if block.block_hash is None and h not in self.cached:
-                block.block_hash = h
+                block.block_hash, block.token_ids, block.parent_hash = h, chunk, parent
                 self.cached[h] = block.block_id
 
     def free(self, request: Request) -> None:
@@ -164,7 +201,7 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if not self.enable_prefix_caching:
-                    block.block_hash = None
+                    block.block_hash, block.token_ids, block.parent_hash = None, (), None
                 self.free_queue[block_id] = None
 
     # ---- internals -----------------------------------------------------------------------
@@ -179,7 +216,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash, block.token_ids, block.parent_hash = None, (), None
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken (tests call it)."""

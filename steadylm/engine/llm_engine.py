@@ -20,7 +20,7 @@ from torch import nn
 from steadylm import kernels, platform
 from steadylm.attention import get_backend
 from steadylm.config import EngineConfig, ModelConfig
-from steadylm.engine.block_manager import BlockManager
+from steadylm.engine.block_manager import BlockManager, cache_salt
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from steadylm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -94,8 +94,10 @@ class LLMEngine:
         watermark = config.watermark_blocks
         if watermark is None:
             watermark = max(1, plan.num_blocks // 100) if plan.num_blocks > 8 else 0
+        # Everything besides the tokens that changes a block's KV goes into its cache key.
+        salt = cache_salt(model_config, str(dtype), config.quant_policy, plan.block_size)
         self.block_manager = BlockManager(
-            plan.num_blocks, plan.block_size, config.enable_prefix_caching, watermark
+            plan.num_blocks, plan.block_size, config.enable_prefix_caching, watermark, salt
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, plan.max_prefill_token_num

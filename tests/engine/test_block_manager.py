@@ -126,3 +126,56 @@ def test_token_ids_slices_across_prompt_and_output():
     for start in range(6):
         for end in range(start, 6):
             assert r.token_ids(start, end) == r.all_token_ids[start:end]
+
+
+def test_block_keys_are_sha256_of_a_canonical_encoding():
+    """Keys are 32-byte digests, the same in every process (not Python's seeded hash()), and
+    every input changes them: parent, tokens, token order, block boundaries and the salt."""
+    import hashlib
+    from array import array
+
+    key = hash_block(None, (1, 2), b"s")
+    assert isinstance(key, bytes) and len(key) == 32
+    expected = hashlib.sha256(
+        bytes(32) + (1).to_bytes(4, "little") + b"s" + (2).to_bytes(8, "little")
+        + array("q", [1, 2]).tobytes()
+    ).digest()
+    assert key == expected
+    variants = {
+        hash_block(None, (1, 2), b"s"),
+        hash_block(key, (1, 2), b"s"),
+        hash_block(None, (2, 1), b"s"),
+        hash_block(None, (1, 2, 0), b"s"),
+        hash_block(None, (1, 2), b"t"),
+        hash_block(None, (1, 2 + 2**32), b"s"),  # no truncation of large ids
+    }
+    assert len(variants) == 6
+
+
+def test_a_colliding_key_is_never_served_as_a_hit(monkeypatch):
+    """Even if two blocks' keys collided, a hit is verified against the cached block's own
+    tokens and parent, so another sequence's KV is never read."""
+    from steadylm.engine import block_manager as bm_mod
+
+    monkeypatch.setattr(bm_mod, "hash_block", lambda parent, tokens, salt=b"": b"\0" * 32)
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    a = req("a", [1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)
+    assert bm.find_cached_prefix(req("same", [1, 2, 3])) == [0]
+    assert bm.find_cached_prefix(req("other", [7, 8, 3])) == []  # same key, other tokens
+    bm.check_integrity()
+
+
+def test_salt_separates_engines():
+    """A block cached under one salt (model, dtype, quant_policy, block size) is not a hit
+    under another."""
+    a, b = (BlockManager(4, 2, enable_prefix_caching=True, salt=s) for s in (b"x", b"y"))
+    r = req("a", [1, 2, 3])
+    a.allocate(r, 3)
+    r.num_computed_tokens = 3
+    a.cache_full_blocks(r)
+    assert set(a.cached) != {hash_block(None, (1, 2), b"y")}
+    assert a.find_cached_prefix(req("q", [1, 2, 3])) == [0]
+    assert b.find_cached_prefix(req("q", [1, 2, 3])) == []

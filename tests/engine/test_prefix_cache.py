@@ -95,3 +95,20 @@ def test_kv_quantized_greedy_stays_close(model_dirs):
     int8 = outputs(engine_for(path, quant_policy=8), prompts)
     agree = sum(a == b for x, y in zip(ref, int8) for a, b in zip(x, y))
     assert agree >= 0.9 * sum(len(x) for x in ref)
+
+
+def test_key_collisions_cannot_leak_kv_between_requests(model_dirs, monkeypatch):
+    """Issue 19.1: with every block key colliding (the worst a birthday search on a weak hash
+    could reach), a second request with different tokens still gets exactly a clean engine's
+    output: hits are verified against the cached block's tokens."""
+    from steadylm.engine import block_manager as bm_mod
+
+    _, path = model_dirs("llama")
+    victim = SHARED + [7]
+    attacker = [t + 1 for t in SHARED] + [7]  # different tokens in every block
+    clean = outputs(engine_for(path), [attacker])
+    monkeypatch.setattr(bm_mod, "hash_block", lambda parent, tokens, salt=b"": b"\1" * 32)
+    engine = engine_for(path, enable_prefix_caching=True)
+    outputs(engine, [victim])
+    assert outputs(engine, [attacker]) == clean
+    assert engine.block_manager.hit_tokens == 0
