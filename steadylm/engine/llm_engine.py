@@ -1,8 +1,9 @@
 """The engine API every entry point builds on: add a request, step, abort, read outputs.
 
-`step()` is three calls: schedule, execute, update. A fault inside execute is delivered to
-every request of that step as an error result; the engine keeps serving, and reports itself
-unhealthy (with the cause) only after repeated consecutive faults.
+`step()` is three calls: schedule, execute, update. If execute raises, the step's requests are
+run again one by one: a request that fails alone finishes with the error and the others go on
+unharmed. The engine reports itself unhealthy only after repeated consecutive steps in which
+nothing could run at all (not even a one-token probe), and keeps the cause in its log and stats.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from steadylm.memory import MemoryPlan, plan_memory
 logger = logging.getLogger("steadylm")
 
 MAX_CONSECUTIVE_FAULTS = 3
+INTERNAL_ID_PREFIX = "\x00steadylm-"  # ids of the engine's own requests; refused from callers
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ class LLMEngine:
         self._reported: dict[str, int] = {}
         self._ids = itertools.count()
         self.consecutive_faults = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # logged and counted; never sent to clients
+        self.fault_counts: dict[str, int] = {}  # engine faults by exception type
+        self.num_request_faults = 0  # requests that failed alone (their own fault)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._last_stats_log = time.monotonic()
@@ -156,7 +160,7 @@ class LLMEngine:
         """On CUDA, run one dummy prefill of max_prefill_token_num tokens and compare its
         measured peak with the plan's activation reserve (reported, never fatal)."""
         n = min(self.plan.max_prefill_token_num, self.block_manager.capacity_tokens - 1)
-        req = Request("profile", [0] * n, SamplingParams(max_new_tokens=1))
+        req = Request(self._internal_id("profile"), [0] * n, SamplingParams(max_new_tokens=1))
         try:
             torch.cuda.synchronize(self.device)
             base = torch.cuda.memory_allocated(self.device)
@@ -174,7 +178,7 @@ class LLMEngine:
             logger.warning("activation check skipped: %s", exc)
         finally:
             self.block_manager.free(req)
-            self.runner.sampler.release("profile")
+            self.runner.sampler.release(req.request_id)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -187,6 +191,8 @@ class LLMEngine:
         ids = self._encode(prompt)
         self._check_prompt(ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or request_id.startswith(INTERNAL_ID_PREFIX):
+            raise RequestError(f"request_id {request_id!r} is not allowed", param="request_id")
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use", param="request_id")
         req = Request(
@@ -201,6 +207,9 @@ class LLMEngine:
         self.num_prompt_tokens += len(ids)
         self.scheduler.add_request(req)
         return request_id
+
+    def _internal_id(self, kind: str) -> str:
+        return f"{INTERNAL_ID_PREFIX}{kind}-{next(self._ids)}"
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -255,11 +264,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         m0 = self.runner.model_seconds
         out = self.scheduler.schedule()
+        failed: list[Request] = []
         try:
             sampled = self.runner.execute(out)
-        except Exception as exc:  # a model fault: fail this step's requests, keep serving
-            return self._on_fault(out, exc)
-        self.consecutive_faults = 0
+        except Exception as exc:  # find who caused it: one bad request must not fail others
+            out, sampled, failed = self._isolate_fault(out, exc)
+        else:
+            self.consecutive_faults = 0
         self.num_generated_tokens += len(sampled)
         used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
@@ -273,16 +284,69 @@ class LLMEngine:
                 len(out.preempted),
             )
         )
-        touched = [s.request for s in out.scheduled] + out.errored
+        touched = [s.request for s in out.scheduled] + out.errored + failed
         self._maybe_log_stats()
         return self._outputs(touched)
 
-    def _on_fault(self, out, exc: Exception) -> list[RequestOutput]:
-        self.consecutive_faults += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        logger.exception("engine step failed; failing %d request(s)", len(out.scheduled))
-        failed = self.scheduler.fail(out, f"engine fault: {self.last_error}")
-        return self._outputs(failed)
+    def _isolate_fault(
+        self, out: SchedulerOutput, exc: Exception
+    ) -> tuple[SchedulerOutput, dict, list[Request]]:
+        """A step raised. Run each of its requests alone (re-running a chunk rewrites the same
+        KV slots): those that succeed go on as if nothing happened, those that fail alone finish
+        with the error. The engine counts a fault against its health only when nothing could
+        run, not even a one-token probe; a fault that one request causes is that request's."""
+        logger.warning(
+            "engine step failed (%s: %s); retrying its %d request(s) one by one",
+            type(exc).__name__,
+            exc,
+            len(out.scheduled),
+        )
+        survivors, sampled, failed = [], {}, []
+        errors: dict[str, str] = {}
+        for s in out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s])))
+                survivors.append(s)
+            except Exception as alone:
+                errors[s.request.request_id] = f"{type(alone).__name__}: {alone}"
+                failed.append(s.request)
+        engine_fault = not survivors and not self._probe()
+        for req in failed:
+            cause = errors[req.request_id]
+            self.scheduler.fail_one(
+                req,
+                f"engine fault: {cause}"
+                if engine_fault
+                else f"request failed in the engine: {cause}",
+            )
+            logger.error("request %s failed: %s", req.request_id, cause)
+        if engine_fault:
+            self.consecutive_faults += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.fault_counts[type(exc).__name__] = self.fault_counts.get(type(exc).__name__, 0) + 1
+            logger.error("engine fault (%d in a row): %s", self.consecutive_faults, self.last_error)
+        else:
+            self.consecutive_faults = 0
+            self.num_request_faults += len(failed)
+        kept = SchedulerOutput(scheduled=survivors, preempted=out.preempted, errored=out.errored)
+        return kept, sampled, failed
+
+    def _probe(self) -> bool:
+        """Can the engine run a step at all? One token through the model, greedy, in a free
+        block (a request that failed alone has just released its blocks)."""
+        req = Request(self._internal_id("probe"), [0], SamplingParams(max_new_tokens=1))
+        if not self.block_manager.can_allocate(req, 1):
+            return False
+        self.block_manager.allocate(req, 1)
+        try:
+            self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(req, 1)]))
+            return True
+        except Exception:
+            logger.exception("the engine's probe step failed too")
+            return False
+        finally:
+            self.block_manager.free(req)
+            self.runner.sampler.release(req.request_id)
 
     def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -335,7 +399,7 @@ class LLMEngine:
         Call between steps; it needs enough free blocks for the whole sequence."""
         ids = self._encode(token_ids)
         self._check_prompt(ids[:-1] or ids)
-        req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=1))
+        req = Request(self._internal_id("score"), ids, SamplingParams(max_new_tokens=1))
         bm = self.block_manager
         if not bm.can_allocate(req, len(ids)):
             raise RequestError(

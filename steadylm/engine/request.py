@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 from steadylm.errors import RequestError
 
+INT64_MAX = 2**63 - 1  # every count and id becomes an int64 tensor element somewhere
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 1024  # top logprobs per token (the server allows 20, as OpenAI does)
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything above PREEMPTED is finished, so `is_finished` is one comparison."""
@@ -56,61 +61,60 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-            "max_new_tokens",
-            f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1",
-        )
-        _require(
-            _finite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            f"temperature={self.temperature!r} must be >= 0 (0 means greedy)",
-        )
-        _require(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            "top_k",
-            f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)",
-        )
+        """Every field is checked against what the engine can represent, so no value reaches
+        a tensor constructor or a kernel it would break (one request must never fail a step)."""
+        _require_int(self.max_new_tokens, "max_new_tokens", 1, INT64_MAX)
+        _require_float(self.temperature, "temperature", 0, None, "(0 means greedy)")
+        _require_int(self.top_k, "top_k", 0, INT64_MAX, "(0 disables it)")
         _require(
             _finite(self.top_p) and 0 < self.top_p <= 1,
             "top_p",
             f"top_p={self.top_p!r} must be in (0, 1]",
         )
-        _require(
-            _finite(self.min_p) and 0 <= self.min_p <= 1,
-            "min_p",
-            f"min_p={self.min_p!r} must be in [0, 1]",
-        )
+        _require_float(self.min_p, "min_p", 0, 1)
         _require(
             _finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
             f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)",
         )
-        _require(
-            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-            "min_new_tokens",
-            f"min_new_tokens={self.min_new_tokens!r} must be an int >= 0",
-        )
-        _require(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            f"logprobs={self.logprobs!r} must be an int >= 0",
-        )
+        if self.seed is not None:
+            _require_int(self.seed, "seed", SEED_MIN, SEED_MAX)
+        _require_int(self.min_new_tokens, "min_new_tokens", 0, INT64_MAX)
+        if self.logprobs is not None:
+            _require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
         for name in ("stop_token_ids", "bad_token_ids"):
             ids = getattr(self, name)
             _require(
-                all(isinstance(t, int) and t >= 0 for t in ids),
+                all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids),
                 name,
-                f"{name} must hold non-negative token ids, got {list(ids)!r}",
+                f"{name} must hold non-negative token ids, got {list(ids)[:8]!r}",
             )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _require_int(x: object, param: str, lo: int, hi: int, note: str = "") -> None:
+    _require(
+        _is_int(x) and lo <= x <= hi,
+        param,
+        f"{param}={x!r} must be an int in [{lo}, {hi}] {note}".rstrip(),
+    )
+
+
+def _require_float(x: object, param: str, lo: float, hi: float | None, note: str = "") -> None:
+    ok = _finite(x) and lo <= x and (hi is None or x <= hi)
+    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    _require(ok, param, f"{param}={x!r} must be a finite number {bound} {note}".rstrip())
 
 
 def _require(ok: bool, param: str, message: str) -> None:

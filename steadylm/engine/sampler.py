@@ -30,7 +30,25 @@ class Sampler:
         self.request_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits (S, V) float32, one row per request that samples this step."""
+        """logits (S, V) float32, one row per request that samples this step. If it raises,
+        the seeded generators are as before the call, so a retried request draws the same."""
+        saved = {
+            r.request_id: self.request_generators[r.request_id].get_state()
+            for r in requests
+            if r.request_id in self.request_generators
+        }
+        try:
+            return self._sample_step(logits, requests)
+        except Exception:
+            for r in requests:
+                g = self.request_generators.get(r.request_id)
+                if r.request_id in saved:
+                    g.set_state(saved[r.request_id])
+                elif g is not None:  # created during this call: it restarts from its seed
+                    del self.request_generators[r.request_id]
+            raise
+
+    def _sample_step(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = self._apply_penalties(logits, requests)
         raw_logprobs = None
         want = [r.params.logprobs for r in requests]
@@ -58,9 +76,12 @@ class Sampler:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
-        if banned_rows:
-            rows = torch.tensor(banned_rows, device=logits.device)
-            cols = torch.tensor(banned_cols, device=logits.device).clamp(max=vocab - 1)
+        # Ids past the vocabulary can never be sampled: nothing to ban (clamping them would
+        # ban the last real token instead).
+        pairs = [(r, c) for r, c in zip(banned_rows, banned_cols) if c < vocab]
+        if pairs:
+            rows = torch.tensor([r for r, _ in pairs], device=logits.device)
+            cols = torch.tensor([c for _, c in pairs], device=logits.device)
             logits[rows, cols] = float("-inf")
         for i in penalised:  # HF semantics: divide positive logits, multiply negative ones
             seen = torch.tensor(sorted(set(requests[i].all_token_ids)), device=logits.device)
@@ -72,8 +93,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([r.params.temperature or 1.0 for r in requests], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in requests], device=dev)
+        vocab = logits.shape[-1]
+        # Greedy rows are replaced by the argmax afterwards; give them a harmless temperature.
+        temp = [1.0 if r.params.greedy else r.params.temperature for r in requests]
+        temp = torch.tensor(temp, device=dev)
+        top_k = torch.tensor([min(r.params.top_k, vocab) for r in requests], device=dev)
         top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
         min_p = torch.tensor([r.params.min_p for r in requests], device=dev)
         probs = filter_probs(logits / temp[:, None], top_k, top_p, min_p)
@@ -118,7 +142,7 @@ def _collect_logprobs(
     if raw is None:
         return [None] * len(tokens)
     out: list[dict[int, float] | None] = []
-    kmax = max(w or 0 for w in want)
+    kmax = min(max(w or 0 for w in want), raw.shape[-1])
     top_vals, top_ids = raw.topk(kmax, dim=-1) if kmax else (None, None)
     chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
     for i, w in enumerate(want):

@@ -175,15 +175,10 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def fail(self, out: SchedulerOutput, error: str) -> list[Request]:
-        """A step raised: every request it touched finishes with the error."""
-        failed = []
-        for s in out.scheduled:
-            if not s.request.is_finished:
-                s.request.finish(RequestStatus.FINISHED_ERROR, error)
-            self._remove(s.request)
-            failed.append(s.request)
-        return failed + list(out.errored)
+    def fail_one(self, request: Request, error: str) -> None:
+        """One scheduled request failed on its own: finish it with the error, free its blocks."""
+        request.finish(RequestStatus.FINISHED_ERROR, error)
+        self._remove(request)
 
     def abort(
         self,

@@ -137,7 +137,10 @@ def test_block_keys_are_sha256_of_a_canonical_encoding():
     key = hash_block(None, (1, 2), b"s")
     assert isinstance(key, bytes) and len(key) == 32
     expected = hashlib.sha256(
-        bytes(32) + (1).to_bytes(4, "little") + b"s" + (2).to_bytes(8, "little")
+        bytes(32)
+        + (1).to_bytes(4, "little")
+        + b"s"
+        + (2).to_bytes(8, "little")
         + array("q", [1, 2]).tobytes()
     ).digest()
     assert key == expected

@@ -117,3 +117,73 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     lp = torch.log_softmax(LOGITS, -1)
     assert set(out.logprobs[0]) == {0, 1}
     assert math.isclose(out.logprobs[0][1], float(lp[1]), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_k", 2**70),
+        ("top_k", 2**63),
+        ("top_k", True),
+        ("top_k", 1.0),
+        ("max_new_tokens", 2**63),
+        ("max_new_tokens", True),
+        ("min_new_tokens", 2**64),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("seed", 1.5),
+        ("logprobs", 10**6),
+        ("logprobs", -1),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("min_p", float("nan")),
+        ("stop_token_ids", (2**63,)),
+        ("bad_token_ids", (-1,)),
+        ("bad_token_ids", (True,)),
+    ],
+)
+def test_values_the_engine_cannot_represent_are_refused(field, value):
+    """Issue 19.2: every value is checked before it can reach a tensor constructor."""
+    from steadylm.errors import RequestError
+
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_extreme_but_valid_values_sample_without_error():
+    """The largest representable values run: top_k past the vocabulary means no top-k, a
+    temperature below 1e-5 is greedy (vLLM's rule), ids past the vocabulary ban nothing."""
+    n = len(LOGITS)
+    reqs = [
+        Request("k", [1], SamplingParams(top_k=2**63 - 1, temperature=0.5, seed=2**64 - 1)),
+        Request("t", [1], SamplingParams(temperature=1e-9, bad_token_ids=(n, 2**63 - 1))),
+        Request("lp", [1], SamplingParams(logprobs=1024)),
+    ]
+    out = Sampler(torch.device("cpu"), seed=0)(LOGITS.repeat(3, 1), reqs)
+    assert out.token_ids[1] == out.token_ids[2] == 0  # greedy, and token n-1 not banned
+    assert len(out.logprobs[2]) == n  # every token's logprob (capped at the vocabulary)
+
+
+def test_a_failed_sampling_call_leaves_seeded_generators_unchanged():
+    """A step that raises is retried; a seeded request must then draw what it would have."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    reference = Sampler(torch.device("cpu"))
+    want = [reference(LOGITS[None], [Request("a", [1], params)]).token_ids[0] for _ in range(6)]
+    sampler = Sampler(torch.device("cpu"))
+    draw_noise = sampler._sample
+
+    def draw_then_fail(logits, requests):
+        draw_noise(logits, requests)  # the seeded generator has advanced
+        raise RuntimeError("fault after sampling")
+
+    got = []
+    for i in range(6):
+        req = Request("a", [1], params)
+        if i in (0, 3):
+            sampler._sample = draw_then_fail
+            with pytest.raises(RuntimeError):
+                sampler(LOGITS[None], [req])
+            sampler._sample = draw_noise
+        got.append(sampler(LOGITS[None], [req]).token_ids[0])
+    assert got == want
