@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from steadylm.config import EngineConfig, ModelConfig
+from steadylm.errors import ConfigError
 
 # Shapes of real models (hidden, intermediate, layers, heads, kv heads). The vocabulary is the
 # on-the-fly tokenizer's, since no real tokenizer ships with a fresh machine.
@@ -89,7 +90,9 @@ def preset_config(preset: str, vocab_size: int, max_position_embeddings: int = 4
     from transformers import AutoConfig
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}", param="preset"
+        )
     kw = dict(PRESETS[preset])
     return AutoConfig.for_model(
         kw.pop("model_type"),

@@ -31,7 +31,14 @@ def safetensors_files(model_dir: str) -> list[str]:
         with open(index) as f:
             weight_map = json.load(f).get("weight_map", {})
         files = sorted(set(weight_map.values()))
+        root = os.path.realpath(model_dir)
         for name in files:
+            path = os.path.realpath(os.path.join(model_dir, str(name)))
+            if not isinstance(name, str) or os.path.commonpath([root, path]) != root:
+                raise ModelLoadError(
+                    f"{index} maps weights to {name!r}, outside {model_dir}; shard paths must "
+                    "stay inside the model directory"
+                )
             if not os.path.isfile(os.path.join(model_dir, name)):
                 raise ModelLoadError(
                     f"{index} lists shard {name!r}, which is missing from {model_dir}"

@@ -47,8 +47,22 @@ class PromptEncoder:
         self.duplicate_bos_fixed = 0
         self.plain_template_used = False
 
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode_text(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of `text`. Text the tokenizer cannot take (a lone UTF-16 surrogate, for
+        one) is the request's error, never the server's."""
+        if not isinstance(text, str):
+            raise RequestError(f"{param} must be a string", param=param)
+        if has_surrogates(text):
+            raise RequestError(
+                f"{param} contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                param=param,
+            )
+        try:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:
+            raise RequestError(f"the tokenizer cannot encode {param}: {exc}", param=param) from exc
         return self._dedupe_bos(ids)
 
     def encode_messages(
@@ -75,7 +89,7 @@ class PromptEncoder:
             raise RequestError(
                 f"the chat template failed on these messages: {exc}", param="messages"
             ) from exc
-        return self.encode_text(text)
+        return self.encode_text(text, param="messages")
 
     def _dedupe_bos(self, ids: list[int]) -> list[int]:
         if self.bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == self.bos_id:
@@ -87,6 +101,15 @@ class PromptEncoder:
             self.duplicate_bos_fixed += 1
             return ids[1:]
         return ids
+
+
+def has_surrogates(text: str) -> bool:
+    """Whether `text` holds a UTF-16 surrogate code point (JSON's "\\ud800" parses to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _check_messages(messages: Any) -> None:

@@ -131,3 +131,27 @@ def test_plan_answers_what_fits_in_text_and_json():
 def test_plan_errors_are_clear(args, fragment):
     out = cli(*args)
     assert out.returncode == 2 and fragment in out.stderr, out.stderr
+
+
+def test_newcomer_paper_cuts():
+    """Issue 19.9: a wrong preset is one line, not a traceback; misspelled flags are errors
+    (no prefix matching), on the top parser and on every subcommand; --help states defaults."""
+    from steadylm.entrypoints.cli import build_parser
+
+    out = cli("demo", "--preset", "nope")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unknown preset 'nope'" in out.stderr and "tiny-qwen2" in out.stderr
+    parser = build_parser()
+    for argv in (
+        ["generate", "--model", "m", "--max-new-token", "3", "hi"],
+        ["demo", "--num-prompt", "2"],
+        ["serve", "m", "--max-concurrent", "2"],
+        ["plan", "m", "--quant-pol", "4"],
+        ["--log-lev", "INFO", "demo"],
+    ):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(argv)
+        assert info.value.code == 2, argv
+    assert parser.parse_args(["demo", "--num-prompts", "2"]).num_prompts == 2
+    help_text = cli("generate", "--help").stdout
+    assert "(default: 128)" in help_text and "(default: 0.0)" in help_text

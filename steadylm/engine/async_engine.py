@@ -106,6 +106,31 @@ class AsyncEngine:
             self._wake.notify()
         return stream
 
+    def add_requests(
+        self,
+        jobs: list[tuple[str | list[int], SamplingParams]],
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> list[RequestStream]:
+        """Add several requests at once, between two steps (one lock acquisition, so a caller
+        with many choices never waits a step per choice). All or none: if one raises, the ones
+        already added are aborted before the error propagates."""
+        streams: list[RequestStream] = []
+        with self._wake:
+            self._check_alive()
+            try:
+                for prompt, params in jobs:
+                    rid = self.engine.add_request(prompt, params)
+                    streams.append(RequestStream(rid, loop, sink))
+                    self._streams[rid] = streams[-1]
+            except BaseException:
+                for stream in streams:
+                    self._streams.pop(stream.request_id, None)
+                    self.engine.abort(stream.request_id)
+                raise
+            self._wake.notify()
+        return streams
+
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +58,8 @@ class EngineStats:
     num_prompt_tokens: int
     healthy: bool
     last_error: str | None
+    fault_counts: dict[str, int] = field(default_factory=dict)
+    num_request_faults: int = 0
 
 
 class LLMEngine:
@@ -455,6 +457,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             healthy=self.healthy,
             last_error=self.last_error,
+            fault_counts=dict(self.fault_counts),
+            num_request_faults=self.num_request_faults,
         )
 
     def _maybe_log_stats(self) -> None:

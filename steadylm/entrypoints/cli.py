@@ -73,26 +73,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="steadylm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="steadylm", description=__doc__, allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a batch on a random-weight preset (or --model DIR)")
     demo.add_argument("--model", default=None, help="a local HF model directory")
     demo.add_argument("--preset", default=None, help="architecture preset for the random model")
-    demo.add_argument("--num-prompts", type=int, default=8)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--num-prompts", type=int, default=8, help="prompts in the batch")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     add_engine_flags(demo)
 
     gen = sub.add_parser("generate", help="generate from one prompt with a local model")
     gen.add_argument("--model", required=True, help="a local HF model directory")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--random-seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    gen.add_argument("--random-seed", type=int, default=None, help="seed for sampling")
     add_engine_flags(gen)
 
     from steadylm.entrypoints import plan_cli, serve_cli
@@ -102,7 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     from steadylm import bench
 
     bench.add_parser(sub, add_engine_flags)
+    _harden(parser)
     return parser
+
+
+def _harden(parser: argparse.ArgumentParser) -> None:
+    """On every (sub)command: no prefix matching (`--max-new-token` is an error, not a guess)
+    and --help states each flag's default."""
+    parser.allow_abbrev = False
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _harden(child)
 
 
 def main(argv: list[str] | None = None) -> int:

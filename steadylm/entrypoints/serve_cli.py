@@ -10,6 +10,9 @@ import signal
 
 logger = logging.getLogger("steadylm.server")
 
+DEFAULT_MAX_CHOICES = 128  # prompts x n in one request (the server's default too)
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
 
 def add_parser(sub, add_engine_flags) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -27,12 +30,30 @@ def add_parser(sub, add_engine_flags) -> None:
         default=None,
         help="the name clients pass as `model` (default: the directory's name)",
     )
-    p.add_argument("--api-keys", nargs="*", default=None, help="accepted Bearer keys")
+    p.add_argument(
+        "--api-keys",
+        nargs="*",
+        default=None,
+        help="accepted Bearer keys for /v1 routes (an empty key is refused at startup)",
+    )
     p.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=None,
-        help="requests in flight before new ones get 503 + Retry-After",
+        help="choices in flight (a request of 4 prompts x n=2 counts 8) before new requests get "
+        "503 + Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=DEFAULT_MAX_CHOICES,
+        help="prompts x n in one request; more is a 400 (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 before they are read (default %(default)s)",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     p.add_argument(
@@ -49,9 +70,10 @@ def run(args: argparse.Namespace, engine_config) -> int:
 
     from steadylm.api import ChatTemplateConfig
     from steadylm.engine.llm_engine import LLMEngine
-    from steadylm.entrypoints.server.app import ServerState, build_app
+    from steadylm.entrypoints.server.app import ServerState, build_app, check_api_keys
     from steadylm.tokenizer import load_tokenizer
 
+    check_api_keys(args.api_keys)  # before minutes of loading, not after
     tokenizer = load_tokenizer(args.model)
     engine = LLMEngine.from_pretrained(args.model, engine_config)
     template = None
@@ -59,7 +81,14 @@ def run(args: argparse.Namespace, engine_config) -> int:
         template = ChatTemplateConfig(chat_template=args.chat_template).template_text()
     name = args.model_name or os.path.basename(os.path.normpath(args.model))
     state = ServerState(
-        engine, tokenizer, name, args.api_keys, args.max_concurrent_requests, template
+        engine,
+        tokenizer,
+        name,
+        args.api_keys,
+        args.max_concurrent_requests,
+        template,
+        args.max_choices_per_request,
+        args.max_request_body_bytes,
     )
     app = build_app(state)
 

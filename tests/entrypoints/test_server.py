@@ -583,21 +583,78 @@ def test_sigterm_finishes_running_requests_and_exits_zero():
 
 
 def test_engine_fault_reaches_the_client_and_server_keeps_serving():
+    """A fault that persists through the per-request retry and the probe reaches the client
+    as a 500 (or an error event in a stream); the server keeps serving."""
     from tests.engine.test_faults import FaultyForward
 
     with inproc_server() as (base, state):
         model = state.engine.runner.model
-        model.forward = FaultyForward(model, {3})
+        model.forward = FaultyForward(model, {3, 4, 5})  # the step, the retry, the probe
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 10}
         r = httpx.post(f"{base}/v1/completions", json=body)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
         assert r.json()["error"]["type"] == "internal_server_error"
         ok = httpx.post(f"{base}/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-        model.forward.fail_on = {model.forward.calls + 2}
+        c = model.forward.calls
+        model.forward.fail_on = {c + 2, c + 3, c + 4}
         stream = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}).text
         assert "injected fault" in stream and stream.rstrip().endswith("data: [DONE]")
         assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_one_poisoned_request_fails_alone_and_health_holds():
+    """Issue 19.2 over HTTP: requests whose values fail inside the engine's step, sent among
+    six innocent ones, fail alone (500); the innocent ones get 200 with the tokens a clean
+    server gives; /health stays 200 however many arrive."""
+    from tests.engine.test_faults import POISON_TOP_K, poison_sampler
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True}
+    bad = {**body, "top_k": POISON_TOP_K, "temperature": 0.7, "seed": 3}
+    with inproc_server() as (base, state):
+        clean = httpx.post(f"{base}/v1/completions", json={**body, "temperature": 0}).json()
+        poison_sampler(state.engine)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as ac:
+                calls = [
+                    ac.post(
+                        f"{base}/v1/completions",
+                        json=bad if i % 3 == 1 else {**body, "temperature": 0},
+                    )
+                    for i in range(9)
+                ]
+                return await asyncio.gather(*calls)
+
+        results = asyncio.run(main())
+        for i, r in enumerate(results):
+            if i % 3 == 1:
+                assert r.status_code == 500, r.text
+                assert "request failed in the engine" in r.json()["error"]["message"]
+            else:
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == clean["choices"][0]["text"]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 200
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "steadylm_request_faults 3.0" in metrics
+
+
+def test_health_never_shows_the_fault_text_and_metrics_count_it():
+    """Issue 19.7: /health is unauthenticated, so the cause stays in the log and /metrics."""
+    from tests.engine.test_faults import FaultyForward
+
+    with inproc_server() as (base, state):
+        model = state.engine.runner.model
+        model.forward = FaultyForward(model, always_from=1)
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 4}
+        for _ in range(3):
+            assert httpx.post(f"{base}/v1/completions", json=body).status_code == 500
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json() == {"status": "unhealthy"}
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'steadylm_engine_faults{type="RuntimeError"} 3.0' in metrics
+        assert "steadylm_engine_healthy 0.0" in metrics
 
 
 def test_cli_help_lists_engine_flags():

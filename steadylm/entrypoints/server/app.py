@@ -18,11 +18,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steadylm.engine.async_engine import CLOSED, AsyncEngine
 from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import RequestStatus, SamplingParams
+from steadylm.entrypoints.serve_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
 from steadylm.entrypoints.server.metrics import Metrics
 from steadylm.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -30,7 +32,7 @@ from steadylm.entrypoints.server.protocol import (
     SamplingFields,
     error_body,
 )
-from steadylm.errors import EngineDeadError, SteadyLMError
+from steadylm.errors import ConfigError, EngineDeadError, SteadyLMError
 from steadylm.output import OutputProcessor, timing
 from steadylm.tokenizer import PromptEncoder
 
@@ -51,6 +53,22 @@ class APIError(Exception):
         self.headers = headers
 
 
+
+
+def check_api_keys(api_keys: list[str] | None) -> None:
+    """None means no auth. An empty list or an empty key (a bare `--api-keys`, or an unset
+    variable expanded into it) would silently leave every route open: refuse it."""
+    if api_keys is None:
+        return
+    if not api_keys or any(not isinstance(k, str) or not k.strip() for k in api_keys):
+        raise ConfigError(
+            "--api-keys was given without a usable key (empty, or an empty string such as an "
+            "unset variable): that would leave every route open. Pass one or more non-empty "
+            "keys, or drop --api-keys to serve without authentication.",
+            param="api_keys",
+        )
+
+
 class ServerState:
     def __init__(
         self,
@@ -60,7 +78,16 @@ class ServerState:
         api_keys: list[str] | None = None,
         max_concurrent_requests: int | None = None,
         chat_template: str | None = None,
+        max_choices_per_request: int = DEFAULT_MAX_CHOICES,
+        max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
+        check_api_keys(api_keys)
+        for name, value in (
+            ("max_choices_per_request", max_choices_per_request),
+            ("max_request_body_bytes", max_request_body_bytes),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an int >= 1", param=name)
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.tokenizer = tokenizer
@@ -68,7 +95,9 @@ class ServerState:
         self.model_name = model_name
         self.api_keys = set(api_keys or [])
         self.max_concurrent = max_concurrent_requests
-        self.in_flight = 0
+        self.max_choices = max_choices_per_request
+        self.max_body_bytes = max_request_body_bytes
+        self.in_flight = 0  # choices in flight (a request of n choices counts n)
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -87,12 +116,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = err.get("msg", "invalid request")
-        text = f"{param}: {msg}" if param else msg
-        return JSONResponse(error_body(text, "invalid_request_error", param, 400), status_code=400)
+        err = _validation_api_error(exc.errors())
+        return _error(err.status, err.message, err.type, err.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
@@ -102,28 +127,33 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def _guard(request: Request, call_next):
+        """Auth, the body size limit before anything is read, and a last-resort handler: an
+        unexpected error is a 500 in OpenAI's shape on a connection that stays usable."""
         if state.api_keys and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
             key = header[7:] if header.lower().startswith("bearer ") else ""
             if key not in state.api_keys:
-                return JSONResponse(
-                    error_body(
-                        "invalid or missing API key (Authorization: Bearer <key>)",
-                        "authentication_error",
-                        None,
-                        401,
-                    ),
-                    status_code=401,
+                return _error(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer <key>)",
+                    "authentication_error",
                 )
-        return await call_next(request)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > state.max_body_bytes:
+            return _too_large(state)
+        try:
+            return await call_next(request)
+        except Exception:
+            logger.exception("unhandled error on %s %s", request.method, request.url.path)
+            return _error(500, "internal server error (logged on the server)", "server_error")
 
     @app.get("/health")
     async def health():
+        # The cause goes to the log and /metrics, never into an unauthenticated body.
         if state.async_engine.healthy:
             return {"status": "ok"}
-        cause = state.async_engine.dead_error or state.engine.last_error
-        return JSONResponse({"status": "unhealthy", "cause": cause}, status_code=503)
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -149,20 +179,95 @@ def build_app(state: ServerState) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompts = _completion_prompts(state, body.prompt)
+    async def completions(request: Request):
+        body = await _parse_body(request, CompletionRequest, state)
+        _check_request(state, body, body.num_prompts())
+        # Tokenizing is CPU work: off the event loop, so /health and streams stay responsive.
+        prompts = await _encode(_completion_prompts, state, body.prompt)
         return await _serve(state, request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await _parse_body(request, ChatCompletionRequest, state)
+        _check_request(state, body, 1)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = state.encoder.encode_messages(msgs, body.add_generation_prompt)
-        except SteadyLMError as exc:
-            raise APIError(400, exc.message, "invalid_request_error", exc.param) from None
+        ids = await _encode(state.encoder.encode_messages, msgs, body.add_generation_prompt)
         return await _serve(state, request, body, [ids], chat=True)
 
     return app
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, status), status_code=status)
+
+
+def _too_large_message(state: ServerState) -> str:
+    return f"the request body is larger than --max-request-body-bytes={state.max_body_bytes}"
+
+
+def _too_large(state: ServerState) -> JSONResponse:
+    return _error(413, _too_large_message(state), "invalid_request_error")
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _parse_body(request: Request, model: type[BaseModel], state: ServerState):
+    """Read at most the body limit (also when no content-length is sent), parse JSON strictly
+    (no NaN / Infinity; nesting too deep is a 400, not a RecursionError) and validate."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.max_body_bytes:
+            raise APIError(413, _too_large_message(state), "invalid_request_error")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks), parse_constant=_no_constants)
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", "invalid_request_error") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_api_error(exc.errors()) from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", "invalid_request_error") from None
+
+
+def _validation_api_error(errors: list) -> APIError:
+    err = errors[0] if errors else {}
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid request")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    text = f"{param}: {msg}" if param else msg
+    return APIError(400, text, "invalid_request_error", param)
+
+
+async def _encode(fn, *args):
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except SteadyLMError as exc:
+        raise APIError(400, exc.message, "invalid_request_error", exc.param) from None
+
+
+def _check_request(state: ServerState, body, num_prompts: int) -> None:
+    """Checks that need no tokenizing: the model name and the choices a request asks for."""
+    _check_model(state, body.model)
+    choices = num_prompts * body.n
+    if choices > state.max_choices:
+        raise APIError(
+            400,
+            f"this request asks for {num_prompts} prompt(s) x n={body.n} = {choices} choices; "
+            f"the limit is --max-choices-per-request={state.max_choices}",
+            "invalid_request_error",
+            "n",
+        )
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -214,38 +319,47 @@ def _sampling(body: SamplingFields, state: ServerState, chat: bool, index: int) 
 
 
 async def _serve(state: ServerState, request: Request, body, prompts: list[list[int]], chat: bool):
-    _check_model(state, body.model)
-    if state.max_concurrent is not None and state.in_flight >= state.max_concurrent:
+    jobs = [(i * body.n + j, ids) for i, ids in enumerate(prompts) for j in range(body.n)]
+    cost = len(jobs)  # every choice is a sequence in the engine: it counts as one in flight
+    if state.max_concurrent is not None and cost > state.max_concurrent:
+        raise APIError(
+            400,
+            f"this request has {cost} choices (prompts x n); the server runs at most "
+            f"--max-concurrent-requests={state.max_concurrent} at once",
+            "invalid_request_error",
+            "n",
+        )
+    if state.max_concurrent is not None and state.in_flight + cost > state.max_concurrent:
         state.metrics.rejected.inc()
         raise APIError(
             503,
-            f"the server is at --max-concurrent-requests={state.max_concurrent}; retry shortly",
+            f"the server is at --max-concurrent-requests={state.max_concurrent} (choices in "
+            f"flight: {state.in_flight}, this request: {cost}); retry shortly",
             "server_busy",
             None,
             headers={"Retry-After": "1"},
         )
-    jobs = [(i * body.n + j, ids) for i, ids in enumerate(prompts) for j in range(body.n)]
     run = _Run(state, body, chat)
-    state.in_flight += 1  # counted from admission, so a slow start cannot let more in
+    state.in_flight += cost  # counted from admission, so a slow start cannot let more in
     try:
         await run.start(jobs)
     except BaseException:
-        state.in_flight -= 1
+        state.in_flight -= cost
         raise
     if body.stream:
-        return StreamingResponse(_guard(run.sse(), state), media_type="text/event-stream")
+        return StreamingResponse(_release(run.sse(), state, cost), media_type="text/event-stream")
     try:
         return await _until_done_or_disconnect(run, request)
     finally:
-        state.in_flight -= 1
+        state.in_flight -= cost
 
 
-async def _guard(gen: AsyncIterator[str], state: ServerState) -> AsyncIterator[str]:
+async def _release(gen: AsyncIterator[str], state: ServerState, cost: int) -> AsyncIterator[str]:
     try:
         async for item in gen:
             yield item
     finally:
-        state.in_flight -= 1
+        state.in_flight -= cost
 
 
 async def _until_done_or_disconnect(run: _Run, request: Request):
@@ -295,10 +409,13 @@ class _Run:
             ) from None
 
     def _add_all(self, jobs, loop) -> None:
+        """Every choice enters the engine between two steps, all or none."""
         eng = self.state.engine
-        for i, ids in jobs:
-            params = _sampling(self.body, self.state, self.chat, i)
-            stream = self.state.async_engine.add_request(ids, params, loop=loop, sink=self.queue)
+        params = [_sampling(self.body, self.state, self.chat, i) for i, _ in jobs]
+        streams = self.state.async_engine.add_requests(
+            [(ids, p) for (_, ids), p in zip(jobs, params)], loop=loop, sink=self.queue
+        )
+        for (i, ids), stream in zip(jobs, streams):
             self.index[stream.request_id] = i
             self.open.add(stream.request_id)
             self.prompt_lens[i] = len(ids)

@@ -45,6 +45,17 @@ class Metrics:
             "steadylm_prefix_cache_hit_rate", "Prefix cache tokens hit / tokens queried", registry=r
         )
         self.healthy = Gauge("steadylm_engine_healthy", "1 if the engine is healthy", registry=r)
+        self.engine_faults = Gauge(
+            "steadylm_engine_faults",
+            "Engine faults since start (steps where nothing could run), by exception type",
+            ["type"],
+            registry=r,
+        )
+        self.request_faults = Gauge(
+            "steadylm_request_faults",
+            "Requests that failed alone inside a step (their own fault) since start",
+            registry=r,
+        )
 
     def observe_finished(
         self,
@@ -71,4 +82,7 @@ class Metrics:
         self.preemptions.set(stats.num_preemptions)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.healthy.set(1 if healthy else 0)
+        for kind, count in stats.fault_counts.items():  # a handful of exception types at most
+            self.engine_faults.labels(kind).set(count)
+        self.request_faults.set(stats.num_request_faults)
         return generate_latest(self.registry)

@@ -1,5 +1,9 @@
 """OpenAI request bodies (plus LMDeploy's extras), validated by pydantic. Every limit here is a
-400 with the field named, never a crash."""
+400 with the field named, never a crash.
+
+Strict types, as OpenAI and vLLM check them: no "5" or true for an integer, no "yes" or 1 for a
+boolean, no NaN or Infinity; integers bounded to what the engine represents (int64); no string
+anywhere may hold a lone UTF-16 surrogate."""
 
 from __future__ import annotations
 
@@ -7,20 +11,63 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed accepts
+from steadylm.engine.request import INT64_MAX, SEED_MAX, SEED_MIN
+from steadylm.tokenizer import has_surrogates
+
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        bad = _surrogate_path(data)
+        if bad is not None:
+            raise ValueError(
+                f"{bad or 'a string'} contains a lone UTF-16 surrogate, which is not valid "
+                "Unicode text"
+            )
+        return data
+
+
+def _surrogate_path(data: Any, path: str = "", depth: int = 0) -> str | None:
+    """The path of the first string (key or value) holding a surrogate, else None."""
+    if isinstance(data, str):
+        return path if has_surrogates(data) else None
+    if depth > 8:  # request bodies are shallow; deeper values are rejected by their types
+        return None
+    items = (
+        data.items()
+        if isinstance(data, dict)
+        else enumerate(data)
+        if isinstance(data, list)
+        else ()
+    )
+    for key, value in items:
+        if isinstance(key, str) and has_surrogates(key):
+            return path or "a key"
+        found = _surrogate_path(value, f"{path}.{key}" if path else str(key), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+    # Unknown fields are ignored, as OpenAI does.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -31,13 +78,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # LMDeploy / vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    min_new_tokens: int | None = Field(None, ge=0)
+    min_new_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
@@ -45,8 +92,11 @@ class SamplingFields(BaseModel):
             raise ValueError(
                 "presence_penalty and frequency_penalty are not supported; use repetition_penalty"
             )
-        if isinstance(self.stop, list) and (len(self.stop) > 16 or not all(self.stop)):
-            raise ValueError("stop: at most 16 non-empty strings")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP or not all(stops) and isinstance(self.stop, list):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: each stop string has at most {MAX_STOP_CHARS} characters")
         return self
 
     def stop_list(self) -> list[str]:
@@ -57,7 +107,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -67,14 +117,21 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported")
         return self
 
+    def num_prompts(self) -> int:
+        """Prompts in the body, counted before any is tokenized."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return 1
+        return len(p)
 
-class TextPart(BaseModel):
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(StrictModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -89,8 +146,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
