@@ -114,3 +114,21 @@ def test_auto_dtype_on_cpu_follows_checkpoint_and_cpu(native, monkeypatch):
             platform.resolve_dtype("auto", SimpleNamespace(torch_dtype=ckpt), cpu) == torch.float32
         )
     assert platform.resolve_dtype("float32", bf16, cpu) == torch.float32  # explicit wins
+
+
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "/etc/passwd", "sub/../../x"])
+def test_shard_paths_outside_the_model_dir_are_refused(tmp_path, escape):
+    """Issue 19.7: an index entry may not load a file outside the model directory, even one
+    that exists and holds valid tensors."""
+    model_dir = tmp_path / "model"
+    make_hf_model("llama").save_pretrained(model_dir, max_shard_size="20KB")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(sorted(model_dir.glob("model-*.safetensors"))[0], outside)
+    (model_dir / "sub").mkdir()
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = escape
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="outside"):
+        engine_for(str(model_dir))
