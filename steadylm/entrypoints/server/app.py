@@ -32,7 +32,7 @@ from steadylm.entrypoints.server.protocol import (
     SamplingFields,
     error_body,
 )
-from steadylm.errors import ConfigError, EngineDeadError, SteadyLMError
+from steadylm.errors import ConfigError, EngineDeadError, RequestError, SteadyLMError
 from steadylm.output import OutputProcessor, timing
 from steadylm.tokenizer import PromptEncoder
 
@@ -51,8 +51,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers
-
-
 
 
 def check_api_keys(api_keys: list[str] | None) -> None:
@@ -213,9 +211,33 @@ def _no_constants(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+MAX_INT_DIGITS = 40  # 2**64 has 20 digits; longer literals are never a valid value
+
+
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only, as FastAPI-based servers (vLLM) require; a missing header is JSON."""
+    value = request.headers.get("content-type")
+    if value is None:
+        return
+    kind = value.split(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise APIError(
+            400,
+            f"Content-Type must be application/json, got {kind!r}",
+            "invalid_request_error",
+        )
+
+
 async def _parse_body(request: Request, model: type[BaseModel], state: ServerState):
     """Read at most the body limit (also when no content-length is sent), parse JSON strictly
     (no NaN / Infinity; nesting too deep is a 400, not a RecursionError) and validate."""
+    _check_content_type(request)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -223,7 +245,7 @@ async def _parse_body(request: Request, model: type[BaseModel], state: ServerSta
             raise APIError(413, _too_large_message(state), "invalid_request_error")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks), parse_constant=_no_constants)
+        data = json.loads(b"".join(chunks), parse_constant=_no_constants, parse_int=_bounded_int)
     except RecursionError:
         raise APIError(400, "the JSON body is nested too deeply", "invalid_request_error") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -304,8 +326,15 @@ def _sampling(body: SamplingFields, state: ServerState, chat: bool, index: int) 
     else:
         logprobs = body.logprobs
     seed = None if body.seed is None else (body.seed + index) % (2**64)
+    max_new = max_new or state.engine.session_len
+    if body.min_new_tokens is not None and body.min_new_tokens > max_new:
+        raise RequestError(
+            f"min_new_tokens={body.min_new_tokens} is larger than the {max_new} tokens this "
+            "request may generate (max_tokens, or session_len when unset)",
+            param="min_new_tokens",
+        )
     return SamplingParams(
-        max_new_tokens=max_new or state.engine.session_len,
+        max_new_tokens=max_new,
         temperature=temperature,
         top_p=body.top_p or 1.0,
         top_k=max(0, body.top_k or 0),
