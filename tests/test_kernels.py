@@ -62,38 +62,90 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), kernels.silu_and_mul_ref(x), **_tol(dtype))
 
 
+def _paged_case(dtype, bits, heads, kv_heads, rows_per_seq, lens, nb=120, bs=8, d=32):
+    """A paged cache (codes + scale_zero when bits > 0) and query rows: each sequence's last
+    rows_per_seq positions, as a prefill chunk (or a decode step when 1) asks for them."""
+    from steadylm.attention.torch_ref import quantize_kv
+
+    kv = [torch.randn(nb, bs, kv_heads, d, dtype=dtype) for _ in range(2)]
+    sz = [None, None]
+    if bits:
+        packed = [quantize_kv(x.view(-1, kv_heads, d), bits) for x in kv]
+        kv = [c.view(nb, bs, kv_heads, -1) for c, _ in packed]
+        sz = [p.view(nb, bs, kv_heads, 2) for _, p in packed]
+    tables = torch.stack([torch.randperm(nb)[: -(-max(lens) // bs)] for _ in lens])
+    token_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(rows_per_seq))
+    ctx = torch.cat([torch.arange(n - r + 1, n + 1) for n, r in zip(lens, rows_per_seq)])
+    q = torch.randn(len(ctx), heads, d, dtype=dtype)
+    return q, kv, sz, tables, token_seq, ctx
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize(
-    "num_seqs,heads,kv_heads,window",
-    [(1, 12, 4, 0), (1, 4, 4, 0), (3, 8, 2, 0), (2, 8, 2, 50), (9, 4, 1, 0)],
+    "heads,kv_heads,rows,lens,window",
+    [
+        (12, 4, [1], [157], 0),  # decode, one sequence
+        (8, 2, [1, 1, 1], [1, 600, 83], 0),  # decode batch; 600 keys span three spans
+        (4, 4, [20, 1, 5], [20, 300, 261], 0),  # a fresh prompt, a decode, a chunk past 256
+        (8, 2, [7, 1], [90, 64], 50),  # sliding window
+        (4, 1, [3] * 9, [9, 31, 77, 120, 200, 64, 83, 157, 3], 0),  # MQA, many tiles
+    ],
 )
-def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window):
-    """Scattered block tables, lengths that end mid-block, spans split across threads (one
-    or two sequences), GQA and MHA, sliding windows."""
+def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, lens, window):
+    """Scattered block tables, lengths that end mid-block, prefill rows and decode rows,
+    contexts over several spans, GQA / MHA / MQA, sliding windows, int8 / int4 caches."""
     torch.manual_seed(0)
-    nb, bs, d = 40, 8, 32
-    kc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
-    vc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
-    lens = torch.tensor([1, 157, 83, 64, 9, 200, 31, 120, 77][:num_seqs])
-    tables = torch.stack([torch.randperm(nb)[:25] for _ in range(num_seqs)])
-    q = torch.randn(num_seqs, heads, d, dtype=dtype)
-    want = kernels.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.17, window)
-    got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17, window)
+    q, kv, sz, tables, seq, ctx = _paged_case(dtype, bits, heads, kv_heads, rows, lens)
+    args = (*kv, *sz, tables, seq, ctx, 0.17, window, bits)
+    want = kernels.paged_attention_ref(q, *args)
+    got = ops.paged_attention(q, *args)
     torch.testing.assert_close(got, want, **_tol(dtype))
     # q as a row slice of a wider tensor (the fused qkv projection's output)
-    wide = torch.cat([q, torch.randn(num_seqs, 2, d, dtype=dtype)], dim=1)
-    sliced = ops.paged_decode_attention(wide[:, :heads], kc, vc, tables, lens, 0.17, window)
-    torch.testing.assert_close(sliced, got, rtol=0, atol=0)
+    wide = torch.cat([q, torch.randn(len(ctx), 2, q.shape[2], dtype=dtype)], dim=1)
+    sliced = ops.paged_attention(wide[:, :heads], *args)
+    assert torch.equal(sliced, got)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [0, 4])
+def test_paged_attention_row_is_independent_of_its_batch(bits):
+    """A row computed alone, in a decode batch, inside a prefill chunk, or with more threads
+    gives the same bits: what keeps quantized KV (and so the output) independent of
+    scheduling."""
+    torch.manual_seed(0)
+    q, kv, sz, tables, seq, ctx = _paged_case(torch.float32, bits, 8, 2, [40, 1, 30], [300, 7, 600])
+    args = (*kv, *sz)
+    tail = (0.17, 0, bits)
+    batch = ops.paged_attention(q, *args, tables, seq, ctx, *tail)
+    threads = torch.get_num_threads()
+    for t in range(len(ctx)):
+        s = int(seq[t])
+        alone = ops.paged_attention(
+            q[t : t + 1], *args, tables[s : s + 1], seq[:1] * 0, ctx[t : t + 1], *tail
+        )
+        assert torch.equal(alone[0], batch[t]), t
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(ops.paged_attention(q, *args, tables, seq, ctx, *tail), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native
 def test_bad_inputs_raise_not_crash():
     q = torch.randn(2, 4, 16)
     kc = torch.randn(10, 4, 2, 16)
+    ones = torch.ones(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="int64"):
-        ops.paged_decode_attention(
-            q, kc, kc, torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.long), 1.0, 0
+        ops.paged_attention(
+            q, kc, kc, None, None, torch.zeros(2, 3, dtype=torch.int32), ones, ones, 1.0, 0, 0
+        )
+    with pytest.raises(RuntimeError, match="scale_zero"):
+        codes = torch.zeros(10, 4, 2, 8, dtype=torch.uint8)
+        ops.paged_attention(
+            q, codes, codes, None, None, torch.zeros(2, 3, dtype=torch.long), ones, ones, 1.0, 0, 4
         )
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1)
@@ -110,7 +162,7 @@ def test_entry_points_fall_back_to_the_references(monkeypatch):
     y = torch.randn(3, 32)
     out, res = kernels.fused_add_rms_norm(y, y.clone(), torch.ones(32), 1e-6)
     assert torch.equal(res, y + y)
-    assert kernels.native_decode_attention(torch.float32, torch.device("cpu")) is None
+    assert kernels.native_paged_attention(torch.float32, torch.device("cpu")) is None
 
 
 def test_cpu_kernels_setting_is_validated(monkeypatch):

@@ -1,6 +1,7 @@
 """Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
-On the CPU, decode groups (one new token per sequence, unquantized cache) go to the native
-paged kernel in steadylm/kernels instead, which reads the blocks in place.
+On the CPU, every group (decode and prefill, any quant_policy) goes to the native paged
+kernel in steadylm/kernels instead, which reads the blocks in place and computes each query
+row on its own, so a token's bits do not depend on its batch, chunk, preemption or cache hit.
 
 Per group, one batched SDPA call: queries padded to (S, max_q), keys gathered from the block
 tables up to the group's longest context, and a boolean causal (optionally sliding-window) mask.
@@ -80,13 +81,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         _zero_new_blocks(cache, md)
-        native = None
-        if cache.quant_policy == 0:
-            native = kernels.native_decode_attention(cache.k.dtype, cache.k.device)
+        dtype = cache.k.dtype if cache.quant_policy == 0 else cache.k_scale_zero.dtype
+        native = kernels.native_paged_attention(dtype, cache.k.device)
         for g in md.groups:
-            if native is not None and g.max_query_len == 1:
-                # Decode reads the paged cache in place: no gather, no tiles, no mask.
+            if native is not None:
+                # Every query row reads the paged cache in place on its own: no gather, no
+                # tiles, no mask, and bits that do not depend on the rest of the batch.
                 g.prepared = {"native": native, "window": md.sliding_window or 0}
+                g.prepared["token_seq"], g.prepared["token_ctx"] = _token_contexts(g)
             else:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
@@ -106,12 +108,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
         if len(md.groups) == 1 and "native" in md.groups[0].prepared:
-            return _native_decode(q, cache, layer, md.groups[0], scale)
+            return _native(q, cache, layer, md.groups[0], scale)
         out = torch.empty_like(q)
         for g in md.groups:
             if "native" in g.prepared:
                 rows = slice(g.token_start, g.token_end)
-                out[rows] = _native_decode(q[rows], cache, layer, g, scale)
+                out[rows] = _native(q[rows], cache, layer, g, scale)
                 continue
             for t in g.prepared["tiles"]:
                 k = _gather(cache, cache.k, cache.k_scale_zero, layer, t["blocks"], q.dtype)
@@ -136,11 +138,32 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _native_decode(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
+def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
     p = g.prepared
+    sz = [t[layer] if t is not None else None for t in (cache.k_scale_zero, cache.v_scale_zero)]
     return p["native"](
-        q, cache.k[layer], cache.v[layer], g.block_tables, g.context_lens, scale, p["window"]
+        q,
+        cache.k[layer],
+        cache.v[layer],
+        *sz,
+        g.block_tables,
+        p["token_seq"],
+        p["token_ctx"],
+        scale,
+        p["window"],
+        cache.quant_policy,
     )
+
+
+def _token_contexts(g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row of the group: its sequence (block table row) and its context length
+    (its position + 1), (T,) int64 each."""
+    seqs = torch.arange(len(g.query_lens), device=g.query_lens.device)
+    token_seq = torch.repeat_interleave(seqs, g.query_lens)  # (T,)
+    starts = torch.cumsum(g.query_lens, 0) - g.query_lens
+    offset = torch.arange(len(token_seq), device=seqs.device) - starts[token_seq]
+    first_new = (g.context_lens - g.query_lens)[token_seq]
+    return token_seq, first_new + offset + 1
 
 
 def _decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:

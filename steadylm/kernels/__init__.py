@@ -112,31 +112,40 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def paged_decode_attention_ref(
+def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale_zero: torch.Tensor | None,
+    v_scale_zero: torch.Tensor | None,
     block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    bits: int = 0,
 ) -> torch.Tensor:
-    """One new token per sequence: q (S, H, D) over the paged cache (num_blocks, block_size,
-    Hkv, D) -> (S, H, D). A plain gather-and-SDPA, one sequence at a time (tests only; the
-    reference backend's batched path is in attention/torch_ref.py)."""
+    """Query row t (T, H, D) attends to keys [first, context_lens[t]) of block table row
+    token_seq[t] in the paged cache (num_blocks, block_size, Hkv, D), or its uint8 codes and
+    scale_zero when bits is 8 or 4 -> (T, H, D). A plain gather-and-SDPA, one row at a time
+    (tests only; the reference backend's batched path is in attention/torch_ref.py)."""
+    from steadylm.attention.torch_ref import dequantize_kv
+
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    for s in range(q.shape[0]):
-        n = int(context_lens[s])
+    for t in range(q.shape[0]):
+        n = int(context_lens[t])
         start = max(0, n - window) if window > 0 else 0
-        blocks = block_tables[s, : -(-n // bs)]
-        k = k_cache[blocks].flatten(0, 1)[start:n]  # (C, Hkv, D)
-        v = v_cache[blocks].flatten(0, 1)[start:n]
+        blocks = block_tables[int(token_seq[t]), : -(-n // bs)]
+        kv = []
+        for data, sz in ((k_cache, k_scale_zero), (v_cache, v_scale_zero)):
+            x = data[blocks].flatten(0, 1)[start:n]  # (C, Hkv, D)
+            if bits:
+                x = dequantize_kv(x, sz[blocks].flatten(0, 1)[start:n], bits)
+            kv.append(x.to(q.dtype).transpose(0, 1))
         g = q.shape[1] // hkv
-        o = F.scaled_dot_product_attention(
-            q[s].view(hkv, g, -1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
-        )
-        out[s] = o.reshape(q.shape[1], -1)
+        o = F.scaled_dot_product_attention(q[t].view(hkv, g, -1), *kv, scale=scale)
+        out[t] = o.reshape(q.shape[1], -1)
     return out
 
 
@@ -167,14 +176,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
-def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
-    """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
-    window) -> out` for an unquantized cache of this dtype and device, or None: the caller
-    keeps its own batched reference (attention/torch_ref.py)."""
-    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
+def native_paged_attention(dtype: torch.dtype, device: torch.device):
+    """The native paged attention kernel `(q, k_cache, v_cache, k_scale_zero, v_scale_zero,
+    block_tables, token_seq, context_lens, scale, window, bits) -> out` for a model of this
+    dtype and device (any quant_policy), or None: the caller keeps its own batched reference
+    (attention/torch_ref.py). Each query row's result is independent of the rest of the batch
+    (cpu_ops.cpp states how)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention
+    return None if ops is None else ops.paged_attention
 
 
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------

@@ -159,134 +159,234 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// ---- Paged decode attention ------------------------------------------------------------
-// One new token per sequence. q (S, H, D); k/v cache (num_blocks, block_size, Hkv, D);
-// block_tables (S, max_blocks) int64; context_lens (S,) int64 (the new token included).
-// Query head h reads KV head h / (H / Hkv) (transformers' repeat_kv). A window W > 0 keeps
-// the last W positions. Keys are read where they lie: no gather, no padding.
+// ---- Paged attention -------------------------------------------------------------------
+// Every query row t (a decode token or one token of a prefill chunk) attends to keys
+// [first_t, ctx_t) of its sequence, read from the paged cache in place: q (T, H, D);
+// token_seq (T,) names the block_tables row (S, max_blocks) of t's sequence; context_lens
+// (T,) = t's position + 1; a window W > 0 keeps the last W positions. Query head h reads KV
+// head h / (H / Hkv) (transformers' repeat_kv). The cache is (num_blocks, block_size, Hkv, Dc)
+// in q's dtype (bits 0), or uint8 codes (bits 8: Dc = D; bits 4: two codes a byte, low nibble
+// first) with (num_blocks, block_size, Hkv, 2) [scale, zero] in q's dtype, dequantized as
+// attention/torch_ref.py's dequantize_kv: code * scale + zero, rounded to the dtype.
 //
-// Work items are (sequence, span of positions), each reading its tokens' rows (all KV heads,
-// contiguous within a block) front to back, so the reads stream; a short batch splits each
-// context into spans across threads (flash-decoding) and merges the spans' partial softmaxes.
-template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                           const at::Tensor& tables, const at::Tensor& lens, double scale,
-                           int64_t window, at::Tensor& out) {
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = kc.size(1), hkv = kc.size(2), G = H / hkv;
-  const int64_t max_blocks = tables.size(1);
-  const int64_t qs = q.stride(0);  // q may be a row slice of the fused qkv tensor
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t row = hkv * D;  // elements per cached token
-  const float sc = static_cast<float>(scale);
-  constexpr int64_t kMinSpan = 64;
-  const int64_t threads = at::get_num_threads();
-  const int64_t spans = S >= threads ? 1 : (threads + S - 1) / S;
-  // Partials per (sequence, span, head): running max, sum of exp, unnormalised output.
-  std::vector<float> pmax(S * spans * H, -std::numeric_limits<float>::infinity());
-  std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
-  at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(H * D), p;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t s = item / spans, span = item % spans;
-      const int64_t ctx = lp[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t len = std::max<int64_t>(kMinSpan, (ctx - first + spans - 1) / spans);
-      const int64_t lo = first + span * len, hi = std::min(ctx, lo + len);
-      if (lo >= hi) continue;
-      const int64_t n = hi - lo;
-      const int64_t* table = tp + s * max_blocks;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qp[s * qs + h * D + d]) * sc;
-      p.resize(H * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* k = kp + (table[pos / bs] * bs + pos % bs) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qf.data() + h * D;
-          const T* kh = k + (h / G) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f(kh[d]);
-          p[h * n + t] = dot;
-        }
-      }
-      float* mx = pmax.data() + item * H;
-      float* sm = psum.data() + item * H;
-      float* acc = pacc.data() + item * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float* ph = p.data() + h * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, ph[t]);
-        for (int64_t t = 0; t < n; ++t) ph[t] -= m;
-        exp_inplace(ph, n);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) sum += ph[t];
-        mx[h] = m;
-        sm[h] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* v = vp + (table[pos / bs] * bs + pos % bs) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float w = p[h * n + t];
-          const T* vh = v + (h / G) * D;
-          float* a = acc + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * to_f(vh[d]);
-        }
-      }
-    }
-  });
-  // Merge the spans of each (sequence, head): rescale each by exp(max_span - max_all).
-  at::parallel_for(0, S * H, 64, [&](int64_t j0, int64_t j1) {
-    std::vector<float> o(D);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t s = j / H, h = j % H;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t sp = 0; sp < spans; ++sp) m = std::max(m, pmax[(s * spans + sp) * H + h]);
-      float total = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t sp = 0; sp < spans; ++sp) {
-        const int64_t i = (s * spans + sp) * H + h;
-        if (psum[i] == 0.f) continue;  // an empty span
-        const float f = spans == 1 ? 1.f : std::exp(pmax[i] - m);
-        total += psum[i] * f;
-        const float* a = pacc.data() + i * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
-      }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) op[(s * H + h) * D + d] = from_f<T>(o[d] * inv);
-    }
-  });
+// Batch invariance: a row's result depends only on its q, its keys and its values, never on
+// the other rows of the step, the chunk it came in, the thread count or the work split. Keys
+// are cut into spans at fixed absolute positions (multiples of kSpan), each span's partial
+// softmax is computed by the same explicit vector code, and the spans are merged in position
+// order. So a token computed in a prefill chunk, in a decode step, alone or in a batch, after
+// a preemption or from a prefix-cache hit gives the same bits; with a quantized cache this is
+// what keeps the KV codes written after it identical too (one ulp can move a 4-bit code).
+//
+// Work items are (tile of up to kQTile consecutive rows of one sequence, KV head, span): the
+// span's K and V rows are converted to fp32 once and reused by the tile's rows and the G query
+// heads that share the KV head.
+constexpr int64_t kSpan = 256;
+constexpr int64_t kQTile = 16;
+
+// sum_d a[d] * b[d] in a fixed order: kVec-wide fused multiply-adds, then the lanes summed
+// front to back, then the tail.
+inline float dot_fixed(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float lanes[kVec];
+  acc.store(lanes);
+  float s = 0.f;
+  for (int64_t i = 0; i < kVec; ++i) s += lanes[i];
+  for (; d < n; ++d) s = std::fma(a[d], b[d], s);
+  return s;
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+// acc[d] += w * v[d], fused, for every d (the same rounding in the vector body and the tail).
+inline void axpy_fixed(float w, const float* v, float* acc, int64_t n) {
+  const Vec wv(w);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) at::vec::fmadd(wv, Vec::loadu(v + d), Vec::loadu(acc + d)).store(acc + d);
+  for (; d < n; ++d) acc[d] = std::fma(w, v[d], acc[d]);
+}
+
+template <typename T>
+struct KVReader {
+  const uint8_t* codes;  // bits 8 / 4
+  const T* plain;        // bits 0
+  const T* params;       // (.., 2) scale, zero
+  int64_t bits, hkv, d, block_size;
+  // One cached token's row for KV head h as fp32: out (D,).
+  void row(int64_t slot, int64_t h, float* out) const {
+    const int64_t idx = slot * hkv + h;
+    if (bits == 0) {
+      const T* x = plain + idx * d;
+      for (int64_t i = 0; i < d; ++i) out[i] = to_f(x[i]);
+      return;
+    }
+    const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
+    if (bits == 8) {
+      const uint8_t* c = codes + idx * d;
+      for (int64_t i = 0; i < d; ++i)
+        out[i] = round_to<T>(round_to<T>(static_cast<float>(c[i]) * scale) + zero);
+    } else {
+      const uint8_t* c = codes + idx * (d / 2);
+      for (int64_t i = 0; i < d / 2; ++i) {
+        out[2 * i] = round_to<T>(round_to<T>(static_cast<float>(c[i] & 0xF) * scale) + zero);
+        out[2 * i + 1] = round_to<T>(round_to<T>(static_cast<float>(c[i] >> 4) * scale) + zero);
+      }
+    }
+  }
+};
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVReader<T>& vr,
+                          const at::Tensor& tables, const at::Tensor& token_seq,
+                          const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t hkv = kr.hkv, G = H / hkv, bs = kr.block_size;
+  const int64_t max_blocks = tables.size(1), qs = q.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* sp = token_seq.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  auto first_of = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, lp[t] - window) : 0; };
+  // Tiles: up to kQTile consecutive rows of the same sequence.
+  std::vector<int64_t> tile_start;
+  for (int64_t t = 0; t < T_; ++t)
+    if (t == 0 || sp[t] != sp[t - 1] || t - tile_start.back() == kQTile) tile_start.push_back(t);
+  tile_start.push_back(T_);
+  const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
+  int64_t max_span = 0;
+  for (int64_t t = 0; t < T_; ++t) max_span = std::max(max_span, (lp[t] - 1) / kSpan + 1);
+  // Passes over whole tiles bound the partials' memory: (rows x spans) <= kPassRowSpans.
+  constexpr int64_t kPassRowSpans = 1024;
+  const int64_t pass_rows = std::max(kQTile, kPassRowSpans / max_span);
+  std::vector<float> pmax, psum, pacc;
+  for (int64_t tile0 = 0; tile0 < ntiles;) {
+    int64_t tile1 = tile0 + 1;
+    while (tile1 < ntiles && tile_start[tile1 + 1] - tile_start[tile0] <= pass_rows) ++tile1;
+    const int64_t r0 = tile_start[tile0], rows = tile_start[tile1] - r0;
+    // Partials per (row, head, span): running max, sum of exp, unnormalised output.
+    const int64_t P = rows * H * max_span;
+    pmax.assign(P, -std::numeric_limits<float>::infinity());
+    psum.assign(P, 0.f);
+    pacc.assign(P * D, 0.f);
+    at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(D), p(kSpan);
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t span = item % max_span, hk = (item / max_span) % hkv;
+        const int64_t tile = tile0 + item / max_span / hkv;
+        const int64_t t0 = tile_start[tile], t1 = tile_start[tile + 1];
+        const int64_t s_lo = span * kSpan;
+        int64_t lo = s_lo + kSpan, hi = s_lo;  // union of the tile's key ranges in this span
+        for (int64_t t = t0; t < t1; ++t) {
+          lo = std::min(lo, std::max(s_lo, first_of(t)));
+          hi = std::max(hi, std::min(s_lo + kSpan, lp[t]));
+        }
+        if (lo >= hi) continue;
+        const int64_t* table = tp + sp[t0] * max_blocks;
+        for (int64_t pos = lo; pos < hi; ++pos) {
+          const int64_t slot = table[pos / bs] * bs + pos % bs;
+          kr.row(slot, hk, kbuf.data() + (pos - lo) * D);
+          vr.row(slot, hk, vbuf.data() + (pos - lo) * D);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t a = std::max(s_lo, first_of(t)), b = std::min(s_lo + kSpan, lp[t]);
+          if (a >= b) continue;
+          const int64_t n = b - a;
+          for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+            for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qp[t * qs + h * D + d]) * sc;
+            float m = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < n; ++j) {
+              p[j] = dot_fixed(qf.data(), kbuf.data() + (a - lo + j) * D, D);
+              m = std::max(m, p[j]);
+            }
+            for (int64_t j = 0; j < n; ++j) p[j] -= m;
+            exp_inplace(p.data(), n);
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) sum += p[j];
+            const int64_t i = ((t - r0) * H + h) * max_span + span;
+            float* acc = pacc.data() + i * D;
+            for (int64_t j = 0; j < n; ++j) axpy_fixed(p[j], vbuf.data() + (a - lo + j) * D, acc, D);
+            pmax[i] = m;
+            psum[i] = sum;
+          }
+        }
+      }
+    });
+    // Merge each (row, head)'s spans in position order, each rescaled by exp(max_span - max).
+    at::parallel_for(0, rows * H, 64, [&](int64_t j0, int64_t j1) {
+      std::vector<float> o(D);
+      for (int64_t j = j0; j < j1; ++j) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < max_span; ++s) m = std::max(m, pmax[j * max_span + s]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t s = 0; s < max_span; ++s) {
+          const int64_t i = j * max_span + s;
+          if (psum[i] == 0.f) continue;  // a span outside this row's keys
+          const float f = std::exp(pmax[i] - m);
+          total += psum[i] * f;
+          axpy_fixed(f, pacc.data() + i * D, o.data(), D);
+        }
+        const float inv = 1.f / total;
+        T* dst = op + (r0 * H + j) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[d] * inv);
+      }
+    });
+    tile0 = tile1;
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale_zero,
+                           const c10::optional<at::Tensor>& v_scale_zero,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq,
+                           const at::Tensor& context_lens, double scale, int64_t window,
+                           int64_t bits) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "paged_decode_attention: q (S, H, D) with contiguous rows");
+              "paged_attention: q (T, H, D) with contiguous rows");
+  TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "paged_attention: bits must be 0, 8 or 4");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: k/v cache (num_blocks, block_size, Hkv, D) contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: cache dtype must equal q's");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
-              "paged_decode_attention: head_dim must match and H divide by Hkv");
+              "paged_attention: k/v cache (num_blocks, block_size, Hkv, D) contiguous");
+  const int64_t D = q.size(2), width = bits == 4 ? D / 2 : D;
+  TORCH_CHECK(k_cache.size(3) == width && q.size(1) % k_cache.size(2) == 0 && D % 2 == 0,
+              "paged_attention: head_dim must match the cache and H divide by Hkv");
+  if (bits == 0) {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                "paged_attention: cache dtype must equal q's");
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kByte &&
+                    k_scale_zero.has_value() && v_scale_zero.has_value(),
+                "paged_attention: a quantized cache is uint8 codes with scale_zero tensors");
+    for (const auto* t : {&*k_scale_zero, &*v_scale_zero})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type() && t->dim() == 4 &&
+                      t->size(3) == 2 && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(2),
+                  "paged_attention: scale_zero (num_blocks, block_size, Hkv, 2) of q's dtype");
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous() &&
-                  block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-              "paged_decode_attention: int64 block_tables (S, B) and context_lens (S,)");
+                  token_seq.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  context_lens.is_contiguous() && token_seq.is_contiguous() &&
+                  context_lens.size(0) == q.size(0) && token_seq.size(0) == q.size(0),
+              "paged_attention: int64 block_tables (S, B), token_seq (T,) and context_lens (T,)");
   auto out = at::empty(q.sizes(), q.options());
-  SL_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                    window, out);
+  if (q.size(0) == 0) return out;
+  SL_DISPATCH(q.scalar_type(), "paged_attention", [&] {
+    auto reader = [&](const at::Tensor& c, const c10::optional<at::Tensor>& sz) {
+      KVReader<scalar_t> r{};
+      r.bits = bits;
+      r.hkv = c.size(2);
+      r.d = D;
+      r.block_size = c.size(1);
+      if (bits == 0) r.plain = c.data_ptr<scalar_t>();
+      else {
+        r.codes = c.data_ptr<uint8_t>();
+        r.params = sz->data_ptr<scalar_t>();
+      }
+      return r;
+    };
+    paged_attention_impl<scalar_t>(q, reader(k_cache, k_scale_zero), reader(v_cache, v_scale_zero),
+                                   block_tables, token_seq, context_lens, scale, window, out);
   });
   return out;
 }
@@ -450,9 +550,10 @@ TORCH_LIBRARY(steadylm_cpu, m) {
         &fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def(
-      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int window) -> Tensor",
-      &paged_decode_attention);
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale_zero, "
+      "Tensor? v_scale_zero, Tensor block_tables, Tensor token_seq, Tensor context_lens, "
+      "float scale, int window, int bits) -> Tensor",
+      &paged_attention);
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
 }
