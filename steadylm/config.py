@@ -123,6 +123,11 @@ class ModelConfig:
         from transformers import AutoConfig
 
         cfg_file = path if path.endswith(".json") else os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ModelLoadError(
+                f"model path {path!r} does not exist; steadylm never downloads (a hub id is not "
+                "a path): download the model first and pass its local directory"
+            )
         if not os.path.isfile(cfg_file):
             raise ModelLoadError(f"{cfg_file} not found: a model directory needs a config.json")
         try:

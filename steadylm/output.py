@@ -32,6 +32,7 @@ class OutputProcessor:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token (LMDeploy)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
@@ -43,6 +44,7 @@ class OutputProcessor:
             self.skip_special_tokens,
             self.spaces_between_special_tokens,
             stop=self.stop_words,
+            include_stop=self.include_stop_str_in_output,
         )
         self.stops = set(self.stop_token_ids) | (
             set() if self.ignore_eos else set(self.eos_token_ids)
@@ -50,7 +52,8 @@ class OutputProcessor:
 
     def feed(self, out: RequestOutput) -> Delta:
         new = list(out.new_token_ids)
-        if out.finished and out.finish_reason == "stop" and new and new[-1] in self.stops:
+        stop_token = out.finished and out.finish_reason == "stop" and new and new[-1] in self.stops
+        if stop_token and not self.include_stop_str_in_output:
             new = new[:-1]
         already_stopped = self.detok.stopped
         text = self.detok.add(new, final=out.finished)

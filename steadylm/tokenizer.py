@@ -40,9 +40,17 @@ class PromptEncoder:
     that writes BOS as text plus a tokenizer that adds BOS gives two BOS tokens; one is dropped
     and that is logged once per encoder, not once per request."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        formatter: Any = None,
+        meta_instruction: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.formatter = formatter  # (messages, add_generation_prompt) -> text, or None
+        self.meta_instruction = meta_instruction  # a default system message
         self.bos_id = getattr(tokenizer, "bos_token_id", None)
         self.duplicate_bos_fixed = 0
         self.plain_template_used = False
@@ -69,6 +77,16 @@ class PromptEncoder:
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:
         _check_messages(messages)
+        if self.formatter is not None:
+            try:
+                text = self.formatter(messages, add_generation_prompt)
+            except Exception as exc:
+                raise RequestError(
+                    f"the chat template failed on these messages: {exc}", param="messages"
+                ) from exc
+            return self.encode_text(text, param="messages")
+        if self.meta_instruction is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": self.meta_instruction}, *messages]
         template = self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             if not self.plain_template_used:
@@ -135,8 +153,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         stop: list[str] | None = None,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop  # the output keeps the stop string that ended it
         self.kw = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:
             self.kw["spaces_between_special_tokens"] = False
@@ -173,9 +193,10 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self.stop), default=0)
         if self.stop:
             start = max(0, self.emitted - longest)
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, stop = min(hits)
+                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
                 self.stopped = final = True
         hold = 0 if final else max(0, longest - 1)
         end = max(self.emitted, len(self.text) - hold)

@@ -88,8 +88,9 @@ def test_prompt_shapes(stories_pipe):
     assert by_ids.token_ids == single.token_ids
     batch = stories_pipe([ids, "The dog"], gen_config=gen)
     assert [r.index for r in batch] == [0, 1] and batch[0].token_ids == single.token_ids
-    with pytest.raises(RequestError, match="prompt"):
-        stories_pipe([3.5], gen_config=gen)
+    (bad,) = stories_pipe([3.5], gen_config=gen)  # LMDeploy: an error Response, no raise
+    assert bad.finish_reason == "error" and bad.error_code == "invalid_request"
+    assert "prompt" in bad.error_message
 
 
 @needs_shared
@@ -170,7 +171,8 @@ def test_async_generate_and_chat(stories_pipe):
     sess = stories_pipe.chat(
         "Once upon a time", gen_config=GenerationConfig(max_new_tokens=5, ignore_eos=True)
     )
-    assert sess.response.generate_token_len == 5 and len(sess.history) == 2
+    assert sess.response.generate_token_len == 5
+    assert sess.history == [("Once upon a time", sess.response.text)]  # LMDeploy's pairs
 
 
 @needs_shared
@@ -182,14 +184,14 @@ def test_tqdm_progress(stories_pipe, capsys):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("top_p", 0.0),
+        ("top_p", -0.1),
         ("top_p", 1.5),
         ("temperature", -0.1),
         ("top_k", -1),
         ("min_p", 2.0),
         ("max_new_tokens", 0),
         ("repetition_penalty", 0.0),
-        ("n", 2),
+        ("n", 0),
         ("min_new_tokens", -3),
         ("logprobs", -1),
         ("stop_words", "stop"),
@@ -206,7 +208,7 @@ def test_invalid_generation_config_names_the_field(field, value):
 @pytest.mark.parametrize(
     "cls,field,value",
     [
-        (PytorchEngineConfig, "num_cpu_blocks", 100),
+        (PytorchEngineConfig, "empty_init", True),
         (PytorchEngineConfig, "adapters", {"a": "b"}),
         (PytorchEngineConfig, "dp", 2),
         (PytorchEngineConfig, "device_type", "ascend"),
