@@ -181,6 +181,10 @@ class Pipeline:
         allowed_media_domains: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.pop("vision_config", None) is not None:
+            logger.info(
+                "pipeline(vision_config=...) has no effect: steadylm serves text-only models"
+            )
         if kwargs:
             raise ConfigError(
                 f"pipeline() does not take {', '.join(sorted(kwargs))}: steadylm accepts "
