@@ -365,9 +365,8 @@ class Pipeline:
                     continue
                 req = by_id[rid]
                 chunk = req.feed(item, self)
-                finals[req.index] = (
-                    chunk if req.index not in finals else finals[req.index].extend(chunk)
-                )
+                acc = finals.get(req.index)  # a copy: the chunks yielded stay as they were
+                finals[req.index] = dataclasses.replace(chunk) if acc is None else acc.extend(chunk)
                 if stream_response:
                     yield chunk
                 if item.finished:
@@ -434,7 +433,7 @@ class Pipeline:
         def run() -> Iterator[Response]:
             resp = None
             for out in chunks:
-                resp = out if resp is None else resp.extend(out)
+                resp = dataclasses.replace(out) if resp is None else resp.extend(out)
                 yield out
             session.response = resp
             session.history.append((prompt, resp.text if resp is not None else ""))
