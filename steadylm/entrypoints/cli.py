@@ -10,6 +10,31 @@ import sys
 from steadylm.config import EngineConfig
 from steadylm.errors import SteadyLMError
 
+# LMDeploy's --quant-policy names; fp8 (16, 17) and turbo_quant (42) are refused with the reason.
+QUANT_POLICY_NAMES = {
+    "none": 0,
+    "int4": 4,
+    "int8": 8,
+    "fp8": 16,
+    "fp8_e4m3": 16,
+    "fp8_e5m2": 17,
+    "turbo_quant": 42,
+}
+
+
+def parse_quant_policy(text: str) -> int:
+    """LMDeploy's --quant-policy: a number or a name (none, int4, int8, fp8, ...)."""
+    key = text.strip().lower()
+    if key in QUANT_POLICY_NAMES:
+        return QUANT_POLICY_NAMES[key]
+    try:
+        return int(key)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid quant policy {text!r}: use 0 (none), 8 (int8) or 4 (int4)"
+        ) from None
+
+
 ENGINE_FLAGS: list[tuple[str, dict]] = [
     (
         "--dtype",
@@ -43,7 +68,9 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
     (
         "--quant-policy",
         dict(
-            type=int, default=0, choices=[0, 4, 8], help="KV cache: 0 model dtype, 8 int8, 4 int4"
+            type=parse_quant_policy,
+            default=0,
+            help="KV cache: 0 (none) model dtype, 8 (int8), 4 (int4)",
         ),
     ),
     (
@@ -61,10 +88,13 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
 ]
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(
+    p: argparse.ArgumentParser, aliases: dict[str, list[str]] | None = None
+) -> None:
+    """`aliases`: other spellings of an engine flag (vLLM's), the same option."""
     g = p.add_argument_group("engine")
     for flag, kw in ENGINE_FLAGS:
-        g.add_argument(flag, **kw)
+        g.add_argument(flag, *(aliases or {}).get(flag, []), **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -73,8 +103,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from steadylm.entrypoints import plan_cli, serve_cli
+
     parser = argparse.ArgumentParser(prog="steadylm", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level",
+        type=serve_cli.parse_log_level,
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a batch on a random-weight preset (or --model DIR)")
@@ -94,8 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     gen.add_argument("--random-seed", type=int, default=None, help="seed for sampling")
     add_engine_flags(gen)
-
-    from steadylm.entrypoints import plan_cli, serve_cli
 
     plan_cli.add_parser(sub)
     serve_cli.add_parser(sub, add_engine_flags)
@@ -119,7 +154,8 @@ def _harden(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "sub_log_level", None) or args.log_level  # `serve --log-level X`
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
     except SteadyLMError as exc:
@@ -184,6 +220,7 @@ def _plan(args):
 def _serve(args):
     from steadylm.entrypoints import serve_cli
 
+    serve_cli.check_args(args)  # LMDeploy/vLLM flags and the model path, before any loading
     return serve_cli.run(args, engine_config_from_args(args))
 
 

@@ -1,5 +1,6 @@
 """`steadylm serve MODEL_DIR`: the OpenAI-compatible server, flags named as in LMDeploy's
-`api_server` (with vLLM's --host/--port accepted too)."""
+`api_server` (with vLLM's spellings accepted too: --host/--port, --max-model-len, ...).
+LMDeploy flags steadylm has no knob for are in serve_compat.py."""
 
 from __future__ import annotations
 
@@ -8,27 +9,56 @@ import logging
 import os
 import signal
 
+from steadylm.entrypoints import serve_compat
+from steadylm.errors import ConfigError
+
 logger = logging.getLogger("steadylm.server")
 
 DEFAULT_MAX_CHOICES = 128  # prompts x n in one request (the server's default too)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# vLLM's names for LMDeploy's engine flags: the same option, so the same meaning.
+ENGINE_ALIASES = {
+    "--session-len": ["--max-model-len"],
+    "--max-batch-size": ["--max-num-seqs"],
+    "--tp": ["--tensor-parallel-size"],
+    "--block-size": ["--cache-block-seq-len"],
+}
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 
 
 def add_parser(sub, add_engine_flags) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", help="a local HF model directory")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="LMDeploy's `api_server` flags and vLLM's spellings of them are accepted; "
+        "docs/lmdeploy_compat.md gives each one's outcome.",
+    )
+    p.add_argument("model", nargs="?", help="a local HF model directory (nothing is downloaded)")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same, vLLM's spelling")
+    _add_server_flags(p)
+    _add_lmdeploy_server_flags(p)
+    add_engine_flags(p, ENGINE_ALIASES)
+    serve_compat.add_compat_flags(p)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server-name",
         "--host",
         dest="server_name",
         default="127.0.0.1",
-        help="address to bind (default 127.0.0.1: loopback only)",
+        help="address to bind (LMDeploy binds 0.0.0.0; steadylm binds loopback unless told)",
     )
-    p.add_argument("--server-port", "--port", dest="server_port", type=int, default=23333)
+    p.add_argument(
+        "--server-port", "--port", dest="server_port", type=int, default=23333, help="port"
+    )
     p.add_argument(
         "--model-name",
+        "--served-model-name",
+        dest="model_name",
         default=None,
-        help="the name clients pass as `model` (default: the directory's name)",
+        help="the name clients pass as `model`; unset: the directory's name",
     )
     p.add_argument(
         "--api-keys",
@@ -41,19 +71,19 @@ def add_parser(sub, add_engine_flags) -> None:
         type=int,
         default=None,
         help="choices in flight (a request of 4 prompts x n=2 counts 8) before new requests get "
-        "503 + Retry-After (default: no limit)",
+        "503 + Retry-After; unset: no limit",
     )
     p.add_argument(
         "--max-choices-per-request",
         type=int,
         default=DEFAULT_MAX_CHOICES,
-        help="prompts x n in one request; more is a 400 (default %(default)s)",
+        help="prompts x n in one request; more is a 400",
     )
     p.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies get 413 before they are read (default %(default)s)",
+        help="larger request bodies get 413 before they are read",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     p.add_argument(
@@ -62,23 +92,201 @@ def add_parser(sub, add_engine_flags) -> None:
         default=30.0,
         help="on SIGTERM, time given to running requests before they are aborted",
     )
-    add_engine_flags(p)
+    p.add_argument(
+        "--log-level",
+        dest="sub_log_level",
+        metavar="LEVEL",
+        type=parse_log_level,
+        default=None,
+        help="as `steadylm --log-level X serve`; given here too, this one wins",
+    )
+
+
+def _add_lmdeploy_server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LMDeploy api_server flags that work as in LMDeploy")
+    g.add_argument(
+        "--allow-origins",
+        nargs="+",
+        default=None,
+        help="CORS: allowed origins; unset: no CORS headers (LMDeploy's default is '*')",
+    )
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--allow-methods", nargs="+", default=["*"], help="CORS: allowed methods")
+    g.add_argument("--allow-headers", nargs="+", default=["*"], help="CORS: allowed headers")
+    g.add_argument(
+        "--ssl",
+        action="store_true",
+        help="serve HTTPS with the files named by SSL_KEYFILE and SSL_CERTFILE",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json"
+    )
+    g.add_argument("--disable-metrics", action="store_true", help="no /metrics route")
+    g.add_argument(
+        "--allow-terminate-by-client",
+        action="store_true",
+        help="GET /terminate stops the server gracefully (with --api-keys it needs a key)",
+    )
+    g.add_argument(
+        "--model-format",
+        choices=["hf", "awq", "gptq", "compressed-tensors", "fp8", "mxfp4"],
+        default=None,
+        help="hf and awq are read from config.json anyway; the others are not supported",
+    )
+    g.add_argument(
+        "--generation-config",
+        default=None,
+        help="auto or lmdeploy: steadylm reads only eos_token_id from the model's "
+        "generation_config.json; requests set their own sampling values",
+    )
+
+
+def parse_log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {text!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"
+        )
+    return level
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no model: a rejected flag or a missing directory fails here, in
+    one line, before minutes of loading. Sets `args.model`; logs the no-effect flags."""
+    for note in serve_compat.check_compat_flags(args):
+        logger.info("%s", note)
+    for note in _check_lmdeploy_values(args):
+        logger.info("%s", note)
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ConfigError(f"two models given ({args.model!r} and --model {args.model_flag!r})")
+    args.model = args.model or args.model_flag
+    if not args.model:
+        raise ConfigError("a model directory is required: steadylm serve MODEL_DIR")
+    if not os.path.isdir(args.model):
+        raise ConfigError(
+            f"model path {args.model!r} does not exist; steadylm never downloads: pass a local "
+            "HF model directory (download it first, e.g. with `huggingface-cli download`)",
+            param="model",
+        )
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise ConfigError(
+            f"--chat-template {args.chat_template!r} is not a file: steadylm takes a Jinja "
+            "template file (not LMDeploy's builtin template names)",
+            param="chat_template",
+        )
+    if args.chat_template and args.chat_template.endswith(".json"):
+        raise ConfigError(
+            f"--chat-template {args.chat_template!r}: LMDeploy's JSON template config is not "
+            "supported; pass a Jinja template file",
+            param="chat_template",
+        )
+    if args.ssl:
+        ssl_files()
+
+
+def _check_lmdeploy_values(args: argparse.Namespace) -> list[str]:
+    """LMDeploy flags that steadylm honours for some values and rejects for others."""
+    notes = []
+    if args.device in serve_compat.DEVICES_REJECTED:
+        raise ConfigError(f"--device {args.device}: steadylm runs on cuda or cpu", param="device")
+    if args.quant_policy not in (0, 4, 8):
+        raise ConfigError(
+            f"--quant-policy {args.quant_policy}: steadylm's KV cache is the model dtype (0), "
+            "int8 (8) or int4 (4); fp8 and turbo_quant are not supported",
+            param="quant_policy",
+        )
+    fmt = args.model_format
+    if fmt is not None and fmt not in serve_compat.MODEL_FORMATS_READ:
+        raise ConfigError(
+            f"--model-format {fmt}: steadylm reads hf and awq checkpoints only", param="model"
+        )
+    if fmt is not None:
+        notes.append(f"--model-format {fmt}: no effect, the format is read from config.json")
+    gen = args.generation_config
+    if gen is not None and gen not in ("auto", "lmdeploy"):
+        raise ConfigError(
+            f"--generation-config {gen!r}: steadylm reads generation_config.json from the model "
+            "directory only (auto or lmdeploy)",
+            param="generation_config",
+        )
+    if gen is not None:
+        notes.append(
+            f"--generation-config {gen}: no effect, steadylm reads only eos_token_id from "
+            "generation_config.json and takes sampling values from each request"
+        )
+    return notes
+
+
+def ssl_files() -> dict[str, str]:
+    """LMDeploy's --ssl: key and certificate paths from SSL_KEYFILE / SSL_CERTFILE."""
+    names = ("SSL_KEYFILE", "SSL_CERTFILE")
+    paths = {n: os.environ.get(n, "") for n in names}  # read at startup, as LMDeploy does
+    missing = [n for n in names if not os.path.isfile(paths[n])]
+    if missing:
+        raise ConfigError(
+            f"--ssl needs {' and '.join(missing)} set to existing files (the TLS key and "
+            "certificate)",
+            param="ssl",
+        )
+    return {"ssl_keyfile": paths["SSL_KEYFILE"], "ssl_certfile": paths["SSL_CERTFILE"]}
+
+
+def configure_app(app, args: argparse.Namespace) -> None:
+    """The LMDeploy server flags that shape the app: CORS, docs, /metrics, /terminate."""
+    from fastapi.middleware.cors import CORSMiddleware
+    from fastapi.responses import JSONResponse
+
+    from steadylm.entrypoints.server.protocol import error_body
+
+    drop = set()
+    if args.disable_fastapi_docs:
+        drop.update(DOC_PATHS)
+        app.openapi_url = app.docs_url = app.redoc_url = None
+    if args.disable_metrics:
+        drop.add("/metrics")
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") not in drop]
+    if args.allow_terminate_by_client:
+        keys = set(args.api_keys or [])
+
+        async def terminate(request) -> JSONResponse:  # a Starlette route: no body to parse
+            header = request.headers.get("authorization", "")
+            key = header[7:] if header.lower().startswith("bearer ") else ""
+            if keys and key not in keys:
+                msg = "invalid or missing API key (Authorization: Bearer <key>)"
+                body = error_body(msg, "authentication_error", None, 401)
+                return JSONResponse(body, status_code=401)
+            os.kill(os.getpid(), signal.SIGTERM)  # the same graceful stop as `kill -TERM`
+            return JSONResponse({"status": "terminating"})
+
+        app.add_route("/terminate", terminate, methods=["GET"])
+
+    if args.allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allow_origins,
+            allow_credentials=args.allow_credentials,
+            allow_methods=args.allow_methods,
+            allow_headers=args.allow_headers,
+        )
 
 
 def run(args: argparse.Namespace, engine_config) -> int:
+    """Serve until SIGTERM. `check_args(args)` has run (cli.py calls it before the engine
+    config is built, so a rejected flag is reported before anything else)."""
     import uvicorn
 
-    from steadylm.api import ChatTemplateConfig
     from steadylm.engine.llm_engine import LLMEngine
     from steadylm.entrypoints.server.app import ServerState, build_app, check_api_keys
     from steadylm.tokenizer import load_tokenizer
 
     check_api_keys(args.api_keys)  # before minutes of loading, not after
+    tls = ssl_files() if args.ssl else {}
     tokenizer = load_tokenizer(args.model)
     engine = LLMEngine.from_pretrained(args.model, engine_config)
     template = None
     if args.chat_template:
-        template = ChatTemplateConfig(chat_template=args.chat_template).template_text()
+        with open(args.chat_template) as f:
+            template = f.read()
     name = args.model_name or os.path.basename(os.path.normpath(args.model))
     state = ServerState(
         engine,
@@ -91,6 +299,7 @@ def run(args: argparse.Namespace, engine_config) -> int:
         args.max_request_body_bytes,
     )
     app = build_app(state)
+    configure_app(app, args)
 
     @app.on_event("shutdown")
     def _shutdown() -> None:
@@ -99,12 +308,14 @@ def run(args: argparse.Namespace, engine_config) -> int:
     # uvicorn finishes in-flight requests on SIGTERM, then re-raises the signal under the
     # handler that was installed before it: make that a no-op so a graceful stop exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    logger.info("serving %s on http://%s:%d", name, args.server_name, args.server_port)
+    scheme = "https" if tls else "http"
+    logger.info("serving %s on %s://%s:%d", name, scheme, args.server_name, args.server_port)
     uvicorn.run(
         app,
         host=args.server_name,
         port=args.server_port,
         log_level="warning",
         timeout_graceful_shutdown=args.graceful_shutdown_s,
+        **tls,
     )
     return 0
