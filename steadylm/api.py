@@ -650,16 +650,15 @@ def _engine_config(cfg: Any, **kw: Any) -> EngineConfig:
             f"dtype={cfg.dtype!r} must be auto, float16, bfloat16 or float32", param="dtype"
         )
     blocks = getattr(cfg, "num_gpu_blocks", 0)
+    notes: tuple[str, ...] = ()
     # LMDeploy's 0.8 is a default, not a choice: steadylm's own default applies (0.8 on CUDA,
     # 4 GiB on CPU), and another budget knob replaces it.
     ratio = None if cfg.cache_max_entry_count == 0.8 else cfg.cache_max_entry_count
     if blocks and ratio is not None:
-        # LMDeploy lets both be set and num_gpu_blocks wins: the same here, said once.
-        logger.warning(
-            "num_gpu_blocks=%d and cache_max_entry_count=%s are both set: num_gpu_blocks "
-            "sizes the KV cache (as in LMDeploy); cache_max_entry_count is not used",
-            blocks,
-            ratio,
+        # LMDeploy lets both be set and num_gpu_blocks wins: the same here, said in the plan.
+        notes = (
+            f"num_gpu_blocks={blocks} and cache_max_entry_count={ratio} are both set: "
+            "num_gpu_blocks sizes the KV cache, as in LMDeploy; cache_max_entry_count is unused",
         )
         ratio = None
     ec = EngineConfig(
@@ -674,6 +673,7 @@ def _engine_config(cfg: Any, **kw: Any) -> EngineConfig:
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         kv_cache_bytes=cfg.kv_cache_bytes,
         max_total_tokens=cfg.max_total_tokens,
+        plan_notes=notes,
         **kw,
     )
     if ratio is not None:

@@ -170,6 +170,7 @@ class EngineConfig:
     eviction_type: str = "recompute"
     seed: int = 0
     log_stats_interval_s: float = 10.0
+    plan_notes: tuple[str, ...] = ()  # said with the memory plan (e.g. a knob that lost)
 
     def __post_init__(self) -> None:
         _check(

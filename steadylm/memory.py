@@ -230,7 +230,7 @@ def plan_memory(
     per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
-    notes: list[str] = []
+    notes: list[str] = list(ec.plan_notes)
     n = ec.max_prefill_token_num
     while True:
         act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes)

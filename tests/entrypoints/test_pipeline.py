@@ -244,3 +244,18 @@ def test_chat_template_override(stories_pipe):
     )
     ids = enc.encode_messages([{"role": "user", "content": "Hi"}])
     assert stories_pipe.tokenizer.decode(ids, skip_special_tokens=True) == "Hi!"
+
+
+@needs_shared
+def test_num_gpu_blocks_wins_over_cache_max_entry_count_and_the_plan_says_so():
+    """LMDeploy lets both be set and num_gpu_blocks decides; steadylm does the same and says
+    so in the startup plan (it used to refuse the pair)."""
+    from steadylm.engine.llm_engine import LLMEngine
+
+    ec = PytorchEngineConfig(
+        num_gpu_blocks=40, cache_max_entry_count=0.3, device_type="cpu", block_size=16
+    ).to_engine_config()
+    engine = LLMEngine.from_pretrained(str(STORIES), ec)
+    assert engine.plan.num_blocks == 40
+    assert any("num_gpu_blocks sizes the KV cache" in n for n in engine.plan.notes)
+    assert "num_gpu_blocks=40" in engine.plan.table()
