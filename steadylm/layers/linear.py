@@ -77,11 +77,32 @@ class OneDNNDenseKernel(LinearKernel):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.gemv_address is not None and 0 < x2.shape[0] <= kernels.PACKED_LINEAR_MAX_ROWS:
+        rows = x2.shape[0]
+        if self.gemv_address is not None and 0 < rows <= kernels.PACKED_LINEAR_MAX_ROWS:
             y = kernels.packed_linear(x2, self.gemv_address, self.out_features, self.bias)
         else:
+            padded = row_bucket(rows)
+            if padded != rows:  # (padded, K): zero rows, sliced off the result below
+                x2 = F.pad(x2, (0, 0, 0, padded - rows))
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
+            y = y[:rows]
         return y.view(*shape, self.out_features)
+
+
+def row_bucket(rows: int) -> int:
+    """The row count oneDNN's matmul runs for `rows` input rows: exact up to 16, then rounded
+    up to one of 8 steps per power of two (at most 12.5% padding rows).
+
+    oneDNN JIT-compiles and caches one primitive per distinct shape (its primitive cache and
+    ideep's, 1024 entries each by default). A step's token count takes any value up to
+    max_prefill_token_num, so without buckets every new count built new primitives (~4 ms
+    each) and the caches filled with them: on the 2-vCPU VM the server's RSS grew by ~500 MB
+    over the first minutes of a mixed load (docs/benchmarks.md, soak). With buckets a weight
+    shape has at most 8 per power of two (88 row counts from 1 to 8192)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 class Linear(nn.Module):

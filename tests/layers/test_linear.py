@@ -154,3 +154,35 @@ def test_greedy_matches_transformers_through_the_packed_gemv(arch, monkeypatch, 
         got = [r.output_token_ids for r in engine.generate(group, params)]
         assert got == want, len(group)
     assert calls, "the GEMV never ran"
+
+
+@needs_onednn
+def test_onednn_matmul_sees_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN builds and caches a primitive per distinct shape; row counts are bucketed so a
+    step's token count (any value up to max_prefill_token_num) cannot fill its caches."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 16)
+    kernel = OneDNNDenseKernel(w, None)
+    seen: set[int] = set()
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return op(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for m in range(5, 1025):
+        x = torch.randn(m, 16)
+        y = kernel.apply(x)
+        assert y.shape == (m, 24)
+        if m % 97 == 0:
+            torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert len(seen) <= 12 + 8 * 6  # exact up to 16, then 8 per power of two up to 1024
+
+
+def test_row_buckets_pad_at_most_an_eighth():
+    from steadylm.layers.linear import row_bucket
+
+    assert [row_bucket(m) for m in (0, 1, 16, 17, 33, 100, 1000)] == [0, 1, 16, 18, 36, 104, 1024]
+    assert all(m <= row_bucket(m) <= m * 1.125 for m in range(1, 8193))
+    assert len({row_bucket(m) for m in range(1, 8193)}) == 16 + 8 * 9
