@@ -31,10 +31,13 @@ from steadylm.memory import MemoryPlan, plan_memory
 logger = logging.getLogger("steadylm")
 
 MAX_CONSECUTIVE_FAULTS = 3
+# The step log is a window of the latest steps (a bench or demo run reads its own steps back),
+# not a history: 100,000 records held 86 MB and were still filling after 15 minutes of serving.
+STEP_LOG_LEN = 4096
 INTERNAL_ID_PREFIX = "\x00steadylm-"  # ids of the engine's own requests; refused from callers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     num_seqs: int
     num_tokens: int
@@ -119,7 +122,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._last_stats_log = time.monotonic()
-        self.step_log: deque[StepRecord] = deque(maxlen=100_000)
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         if device.type == "cuda":
             self._check_activation_estimate()
 
