@@ -209,3 +209,16 @@ def test_report_uses_each_runs_own_bandwidth_readings(tmp_path):
     out = run(str(ROOT / "benchmarks" / "report.py"), str(tmp_path))
     row = next(line for line in out.splitlines() if line.startswith("| steadylm fp32 | 80.0"))
     assert "40.0 / 50.0" in row and "| 100.0 |" in row and row.endswith("| 80% |")
+
+
+def test_soak_slope_is_least_squares_in_mb_per_min():
+    """benchmarks/soak.py's verdict is this slope (the 30-minute run itself is not a test: it
+    takes half an hour and a server; docs/benchmarks.md has its result)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from soak import slope_per_min
+    finally:
+        sys.path.pop(0)
+    assert slope_per_min([(0.0, 100.0), (60.0, 102.0), (120.0, 104.0)]) == pytest.approx(2.0)
+    assert slope_per_min([(0.0, 5.0), (30.0, 7.0), (60.0, 5.0), (90.0, 7.0)]) == pytest.approx(0.8)
+    assert slope_per_min([(0.0, 1.0)]) is None
