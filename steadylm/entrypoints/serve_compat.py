@@ -35,6 +35,7 @@ class CompatFlag:
 _FLAG = {"action": "store_true"}
 _INT, _FLOAT, _STR = {"type": int}, {"type": float}, {"type": str}
 _NO_GRAPHS = "steadylm runs eagerly and captures no CUDA graphs"
+_NO_DOWNLOAD = "steadylm never downloads: the model is the local directory given"
 _ONE_PROCESS = "steadylm runs one process on one device: nothing is distributed"
 
 NO_EFFECT: tuple[CompatFlag, ...] = (
@@ -44,6 +45,11 @@ NO_EFFECT: tuple[CompatFlag, ...] = (
         kw={"choices": ["pytorch", "turbomind"]},
     ),
     CompatFlag("--max-log-len", "steadylm never logs prompts", kw=_INT),
+    CompatFlag("--revision", _NO_DOWNLOAD, kw=_STR),
+    CompatFlag("--download-dir", _NO_DOWNLOAD, kw=_STR),
+    CompatFlag(
+        "--vision-max-batch-size", "steadylm serves text models (no vision encoder)", kw=_INT
+    ),
     CompatFlag(
         "--allowed-media-domains",
         "steadylm serves text models and fetches no media URLs",
@@ -115,7 +121,6 @@ NO_EFFECT: tuple[CompatFlag, ...] = (
 )
 
 _PARALLEL = "steadylm runs one model replica on one device"
-_NO_DOWNLOAD = "steadylm never downloads; pass a local model directory"
 _DLLM = "steadylm does not run diffusion LLMs"
 REJECTED: tuple[CompatFlag, ...] = (
     CompatFlag("--dp", _PARALLEL + " (no data parallelism)", True, 1, _INT),
@@ -181,11 +186,6 @@ REJECTED: tuple[CompatFlag, ...] = (
         True,
         False,
         _FLAG,
-    ),
-    CompatFlag("--revision", _NO_DOWNLOAD, True, None, _STR),
-    CompatFlag("--download-dir", _NO_DOWNLOAD, True, None, _STR),
-    CompatFlag(
-        "--vision-max-batch-size", "steadylm serves text models (no vision encoder)", True, 1, _INT
     ),
     CompatFlag("--dllm-block-length", _DLLM, True, None, _INT),
     CompatFlag(
