@@ -24,7 +24,8 @@ from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.block_manager import BlockManager, cache_salt
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from steadylm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from steadylm.engine.scheduler import Scheduler, SchedulerOutput
+from steadylm.engine.step import ContractBuilder, StepContract
 from steadylm.errors import RequestError
 from steadylm.memory import MemoryPlan, plan_memory
 
@@ -110,8 +111,9 @@ class LLMEngine:
             self.block_manager, config.max_batch_size, plan.max_prefill_token_num
         )
         self.runner = ModelRunner(
-            model, backend, self.kv_cache, self.block_manager, device, config.seed
+            model, backend, self.kv_cache, plan.block_size, device, config.seed
         )
+        self.contracts = ContractBuilder()  # what the runner has been told, request by request
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, int] = {}
         self._ids = itertools.count()
@@ -171,7 +173,7 @@ class LLMEngine:
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.block_manager.allocate(req, n)
-            self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(req, n)]))
+            self._run_alone(req, n)
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - base
             self.plan.notes.append(
@@ -183,7 +185,17 @@ class LLMEngine:
             logger.warning("activation check skipped: %s", exc)
         finally:
             self.block_manager.free(req)
-            self.runner.sampler.release(req.request_id)
+            self._release_alone(req)
+
+    def _run_alone(self, req: Request, n: int) -> dict:
+        """Run one internal request's step outside the schedule (profile, probe)."""
+        contract = self.contracts.build([(req, n)], [], self.block_manager.block_table)
+        return self.runner.execute(contract)
+
+    def _release_alone(self, req: Request) -> None:
+        self.contracts.finish(req.request_id)
+        self.runner.apply(StepContract(finished_ids=[req.request_id]))
+        self.contracts.pending_finished.remove(req.request_id)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -271,7 +283,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         failed: list[Request] = []
         try:
-            sampled = self.runner.execute(out)
+            sampled = self.execute(out)
         except Exception as exc:  # find who caused it: one bad request must not fail others
             out, sampled, failed = self._isolate_fault(out, exc)
         else:
@@ -293,6 +305,15 @@ class LLMEngine:
         self._maybe_log_stats()
         return self._outputs(touched)
 
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
+        """Turn a schedule into the step contract (data only) and have the runner run it."""
+        contract = self.contracts.build(
+            [(s.request, s.num_new_tokens) for s in out.scheduled],
+            out.preempted,
+            self.block_manager.block_table,
+        )
+        return self.runner.execute(contract)
+
     def _isolate_fault(
         self, out: SchedulerOutput, exc: Exception
     ) -> tuple[SchedulerOutput, dict, list[Request]]:
@@ -310,7 +331,7 @@ class LLMEngine:
         errors: dict[str, str] = {}
         for s in out.scheduled:
             try:
-                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s])))
+                sampled.update(self.runner.run([(s.request.request_id, s.num_new_tokens)]))
                 survivors.append(s)
             except Exception as alone:
                 errors[s.request.request_id] = f"{type(alone).__name__}: {alone}"
@@ -344,14 +365,14 @@ class LLMEngine:
             return False
         self.block_manager.allocate(req, 1)
         try:
-            self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(req, 1)]))
+            self._run_alone(req, 1)
             return True
         except Exception:
             logger.exception("the engine's probe step failed too")
             return False
         finally:
             self.block_manager.free(req)
-            self.runner.sampler.release(req.request_id)
+            self._release_alone(req)
 
     def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -382,12 +403,16 @@ class LLMEngine:
             self._reported[req.request_id] = req.num_output_tokens
             if req.is_finished:
                 self._forget(req)
+        if not self.scheduler.has_unfinished and self.contracts.pending_finished:
+            # Idle: no next step will carry these, so tell the runner now.
+            self.runner.apply(StepContract(finished_ids=self.contracts.pending_finished))
+            self.contracts.pending_finished = []
         return outputs
 
     def _forget(self, req: Request) -> None:
         self._reported.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
-        self.runner.sampler.release(req.request_id)
+        self.contracts.finish(req.request_id)  # the runner drops its state with the next step
 
     def abort_all(self, error: str | None = None) -> list[RequestOutput]:
         """Finish every unfinished request: aborted, or failed with `error` (a dead loop)."""
@@ -417,10 +442,12 @@ class LLMEngine:
         try:
             while req.num_computed_tokens < len(ids):
                 n = min(len(ids) - req.num_computed_tokens, self.plan.max_prefill_token_num)
-                chunks.append(self.runner.all_logits(ScheduledRequest(req, n)))
+                self.runner.apply(self.contracts.build([(req, n)], [], bm.block_table))
+                chunks.append(self.runner.all_logits(req.request_id, n))
                 req.num_computed_tokens += n
         finally:
             bm.free(req)
+            self._release_alone(req)
         return torch.cat(chunks)
 
     def perplexity(self, token_ids: list[int]) -> float:

@@ -1,6 +1,8 @@
 """The model runner: the only code that touches the device.
 
-It turns a `SchedulerOutput` into flat batch tensors (input ids, positions, slot mapping, block
+It sees the scheduler only through the step contract (`steadylm.engine.step`), keeps its own
+per-request state (token history, block table, sampling params) updated from the contract's
+differences, turns each step into flat batch tensors (input ids, positions, slot mapping, block
 tables), runs the model, computes logits only for the rows that sample, and calls the sampler.
 Decode sequences come first in the flat batch and prefill chunks after them, each group with
 its own attention call.
@@ -9,14 +11,45 @@ its own attention call.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from steadylm.attention import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
-from steadylm.engine.block_manager import BlockManager
+from steadylm.engine.request import SamplingParams
 from steadylm.engine.sampler import Sampler
-from steadylm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from steadylm.engine.step import StepContract
+
+Sampled = dict[str, tuple[int, dict | None]]  # request id -> (token, logprobs)
+
+
+@dataclass
+class RunnerRequest:
+    """The runner's own view of one request, built from the contract."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class _Row:
+    req: RunnerRequest
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last known token (and so samples one)."""
+        return self.req.num_computed_tokens + self.num_new_tokens == len(self.req.all_token_ids)
 
 
 class ModelRunner:
@@ -25,40 +58,73 @@ class ModelRunner:
         model: nn.Module,
         backend: AttentionBackend,
         kv_cache: KVCache,
-        block_manager: BlockManager,
+        block_size: int,
         device: torch.device,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
-        self.bm = block_manager
+        self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
         self.sliding_window = model.cfg.sliding_window
+        self.requests: dict[str, RunnerRequest] = {}
         self.model_seconds = 0.0  # time inside the model forward + logits (benchmarks read it)
 
+    # ---- the contract -------------------------------------------------------------------
+    def apply(self, contract: StepContract) -> None:
+        """Bring the runner's request state up to date with one step's contract."""
+        for rid in contract.finished_ids:
+            self.requests.pop(rid, None)
+            self.sampler.release(rid)
+        for rid in contract.preempted_ids:  # resumes as new; its seeded generator stays
+            self.requests.pop(rid, None)
+        for r in contract.new:
+            self.requests[r.request_id] = RunnerRequest(
+                r.request_id,
+                list(r.token_ids),
+                r.num_prompt_tokens,
+                r.params,
+                r.eos_token_ids,
+                list(r.block_ids),
+                r.num_computed_tokens,
+            )
+        for r in contract.cached:
+            req = self.requests[r.request_id]
+            req.all_token_ids += r.new_token_ids
+            req.block_ids += r.new_block_ids
+            req.num_computed_tokens = r.num_computed_tokens
+
+    def execute(self, contract: StepContract) -> Sampled:
+        """Apply the contract and run its step."""
+        self.apply(contract)
+        return self.run(contract.scheduled)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
-        """Run one step; return request id -> (sampled token, logprobs) for rows that sample."""
-        if out.is_empty:
+    def run(self, scheduled: list[tuple[str, int]]) -> Sampled:
+        """Run (request id, tokens to compute) pairs of applied requests; return the sampled
+        token and logprobs of each row that samples. Running the same pairs again rewrites the
+        same KV slots (the engine retries a failed step request by request)."""
+        if not scheduled:
             return {}
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        rows = [_Row(self.requests[rid], n) for rid, n in scheduled]
+        order = sorted(rows, key=lambda r: r.num_new_tokens != 1)  # decodes first
         ids, positions, md = self._prepare(order)
         self.backend.prepare(md, self.kv_cache)
         t0 = time.perf_counter()
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
-        sampling = [s for s in order if s.samples]
+        sampling = [r for r in order if r.samples]
         if not sampling:
             self.model_seconds += time.perf_counter() - t0
             return {}
-        ends = torch.tensor([s.num_new_tokens for s in order]).cumsum(0)
-        rows = torch.tensor([i for i, s in enumerate(order) if s.samples])
-        logits = self.model.compute_logits(hidden[(ends[rows] - 1).to(self.device)])  # (S, V)
+        ends = torch.tensor([r.num_new_tokens for r in order]).cumsum(0)
+        idx = torch.tensor([i for i, r in enumerate(order) if r.samples])
+        logits = self.model.compute_logits(hidden[(ends[idx] - 1).to(self.device)])  # (S, V)
         if logits.is_cuda:
             torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
         self.model_seconds += time.perf_counter() - t0
-        requests = [s.request for s in sampling]
+        requests = [r.req for r in sampling]
         result = self.sampler(logits, requests)
         return {
             r.request_id: (tok, lp)
@@ -66,31 +132,31 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def all_logits(self, s: ScheduledRequest) -> torch.Tensor:
-        """Logits of every new token of one scheduled chunk, (n, V) float32 (for scoring)."""
-        ids, positions, md = self._prepare([s])
+    def all_logits(self, request_id: str, num_new_tokens: int) -> torch.Tensor:
+        """Logits of every new token of one applied request's chunk, (n, V) float32."""
+        ids, positions, md = self._prepare([_Row(self.requests[request_id], num_new_tokens)])
         self.backend.prepare(md, self.kv_cache)
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, order: list[ScheduledRequest]):
+    def _prepare(self, order: list[_Row]):
         dev = self.device
-        bs = self.bm.block_size
+        bs = self.block_size
         tokens: list[int] = []
-        for s in order:
-            start = s.request.num_computed_tokens
-            tokens += s.request.token_ids(start, start + s.num_new_tokens)
-        q_lens = torch.tensor([s.num_new_tokens for s in order])
-        computed = torch.tensor([s.request.num_computed_tokens for s in order])
+        for r in order:
+            start = r.req.num_computed_tokens
+            tokens += r.req.all_token_ids[start : start + r.num_new_tokens]
+        q_lens = torch.tensor([r.num_new_tokens for r in order])
+        computed = torch.tensor([r.req.num_computed_tokens for r in order])
         seq_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens)  # (T,)
         starts = q_lens.cumsum(0) - q_lens
         positions = torch.arange(len(tokens)) - starts[seq_of_token] + computed[seq_of_token]
-        tables = [self.bm.block_table(s.request.request_id) for s in order]
+        tables = [r.req.block_ids for r in order]
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # (S, MB)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         ctx = computed + q_lens
-        num_decode = sum(1 for s in order if s.num_new_tokens == 1)
+        num_decode = sum(1 for r in order if r.num_new_tokens == 1)
         groups = []
         for lo, hi in ((0, num_decode), (num_decode, len(order))):
             if lo == hi:

@@ -8,10 +8,25 @@ not depend on what else is in the batch. Unseeded rows share the engine's genera
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from steadylm.engine.request import Request
+from steadylm.engine.request import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a request (the runner's `RunnerRequest`, or a `Request`)."""
+
+    request_id: str
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -29,7 +44,7 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
         """logits (S, V) float32, one row per request that samples this step. If it raises,
         the seeded generators are as before the call, so a retried request draws the same."""
         saved = {
@@ -48,7 +63,7 @@ class Sampler:
                     del self.request_generators[r.request_id]
             raise
 
-    def _sample_step(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _sample_step(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
         logits = self._apply_penalties(logits, requests)
         raw_logprobs = None
         want = [r.params.logprobs for r in requests]
@@ -63,7 +78,7 @@ class Sampler:
         logprobs = _collect_logprobs(raw_logprobs, token_list, want)
         return SamplerOutput(token_list, logprobs)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:
         banned_rows, banned_cols = [], []
         for i, r in enumerate(requests):
             ids = list(r.params.bad_token_ids)
@@ -91,7 +106,7 @@ class Sampler:
             logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[-1]
         # Greedy rows are replaced by the argmax afterwards; give them a harmless temperature.
@@ -106,7 +121,7 @@ class Sampler:
             noise[i].exponential_(generator=self._generator_for(r))
         return (probs / noise).argmax(dim=-1)
 
-    def _generator_for(self, r: Request) -> torch.Generator:
+    def _generator_for(self, r: SamplingRow) -> torch.Generator:
         if r.params.seed is None:
             return self.generator
         g = self.request_generators.get(r.request_id)

@@ -36,7 +36,7 @@ def test_staggered_arrivals_match_solo_runs(arch, model_dirs):
         out = engine.scheduler.schedule()
         kinds = {s.num_new_tokens == 1 and s.request.num_computed_tokens > 0 for s in out.scheduled}
         mixed_steps += kinds == {True, False}
-        sampled = engine.runner.execute(out)
+        sampled = engine.execute(out)
         engine.scheduler.update(out, sampled)
         engine.block_manager.check_integrity()
         step += 1

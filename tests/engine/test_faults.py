@@ -34,11 +34,12 @@ def poison_forward(engine) -> None:
     """The forward raises whenever a request whose prompt holds the poison token is in the
     step (generated tokens may be anything, so only prompts carry the poison)."""
     runner = engine.runner
-    inner, model = runner.execute, runner.model
+    inner, model = runner.run, runner.model
     forward = model.forward
 
-    def execute(out):
-        bad = any(POISON_TOKEN in s.request.prompt_token_ids for s in out.scheduled)
+    def run(scheduled):
+        reqs = [runner.requests[rid] for rid, _ in scheduled]
+        bad = any(POISON_TOKEN in r.all_token_ids[: r.num_prompt_tokens] for r in reqs)
 
         def checked(*args, **kwargs):
             if bad:
@@ -47,11 +48,11 @@ def poison_forward(engine) -> None:
 
         model.forward = checked
         try:
-            return inner(out)
+            return inner(scheduled)
         finally:
             model.forward = forward
 
-    runner.execute = execute
+    runner.run = run
 
 
 def poison_sampler(engine) -> None:
