@@ -15,7 +15,7 @@ from steadylm import (
     TurbomindEngineConfig,
     pipeline,
 )
-from steadylm.errors import ConfigError, RequestError
+from steadylm.errors import ConfigError
 from tests.conftest import STORIES, hf_greedy, needs_shared
 
 SEED_BACKEND = dict(
