@@ -196,6 +196,39 @@ class GenerationConfig:
                 f"{name} must be a list of token ids, got {ids!r}",
             )
 
+    def convert_stop_bad_words_to_ids(self, tokenizer: Any) -> None:
+        """LMDeploy's method: add the ids of the single-token stop and bad words to
+        stop_token_ids / bad_token_ids (a word of several tokens is skipped with a warning, as
+        LMDeploy does). steadylm also matches stop words on text, so they may span tokens."""
+
+        def ids(words: list[str] | None) -> list[int]:
+            out = []
+            for w in words or []:
+                enc = tokenizer.encode(w, add_special_tokens=False)
+                if len(enc) == 1:
+                    out += enc
+                else:
+                    logger.warning(
+                        "the word %r is %d tokens; it has no single token id", w, len(enc)
+                    )
+            return out
+
+        stop = ids(self.stop_words) + list(self.stop_token_ids or [])
+        bad = ids(self.bad_words) + list(self.bad_token_ids or [])
+        self.stop_token_ids = sorted(set(stop)) or None
+        self.bad_token_ids = sorted(set(bad)) or None
+
+    def update_from_hf_gen_cfg(self, generation_config: dict, tokenizer_eos_token_id) -> None:
+        """LMDeploy's method: add the tokenizer's and generation_config.json's EOS ids to
+        stop_token_ids."""
+        stop = set(self.stop_token_ids or [])
+        if tokenizer_eos_token_id is not None:
+            stop.add(tokenizer_eos_token_id)
+        eos = (generation_config or {}).get("eos_token_id")
+        if eos is not None:
+            stop.update([eos] if isinstance(eos, int) else eos)
+        self.stop_token_ids = sorted(stop)
+
     def to_sampling_params(
         self, tokenizer: Any = None, max_new_tokens: int | None = None
     ) -> SamplingParams:

@@ -201,6 +201,35 @@ def _odd_value(default: object) -> object:
     return {"set": 1} if default is None else None
 
 
+@pytest.mark.parametrize("cls", CLASSES + ("ChatTemplateConfig",))
+def test_every_public_lmdeploy_method_exists(cls):
+    module = "model" if cls == "ChatTemplateConfig" else "messages"
+    node = next(n for n in lmdeploy_source(module).body if getattr(n, "name", "") == cls)
+    methods = [
+        f.name for f in node.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")
+    ]
+    if cls == "ChatTemplateConfig":
+        methods.remove("chat_template")  # the name is steadylm's field (Jinja text)
+    for name in methods:
+        assert callable(getattr(getattr(api, cls), name, None)), f"{cls}.{name}"
+
+
+def test_generation_config_methods_behave_as_lmdeploys():
+    from transformers import AutoTokenizer
+
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip("../shared is absent")
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    word = tok.decode([300])
+    g = api.GenerationConfig(stop_words=[word], stop_token_ids=[5])
+    g.convert_stop_bad_words_to_ids(tok)
+    assert set(g.stop_token_ids) == {5, *tok.encode(word, add_special_tokens=False)}
+    g.update_from_hf_gen_cfg({"eos_token_id": [7, 8]}, 2)
+    assert {2, 7, 8, 5} <= set(g.stop_token_ids)
+
+
 def test_response_fields_and_extend():
     theirs = lmdeploy_fields("messages", "Response")
     r = api.Response(text="a", generate_token_len=1, input_token_len=3, token_ids=[5])
