@@ -62,6 +62,31 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), kernels.silu_and_mul_ref(x), **_tol(dtype))
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_seqs,heads,kv_heads,window",
+    [(1, 12, 4, 0), (1, 4, 4, 0), (3, 8, 2, 0), (2, 8, 2, 50), (9, 4, 1, 0)],
+)
+def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window):
+    """Scattered block tables, lengths that end mid-block, spans split across threads (one
+    or two sequences), GQA and MHA, sliding windows."""
+    torch.manual_seed(0)
+    nb, bs, d = 40, 8, 32
+    kc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
+    lens = torch.tensor([1, 157, 83, 64, 9, 200, 31, 120, 77][:num_seqs])
+    tables = torch.stack([torch.randperm(nb)[:25] for _ in range(num_seqs)])
+    q = torch.randn(num_seqs, heads, d, dtype=dtype)
+    want = kernels.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.17, window)
+    got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17, window)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # q as a row slice of a wider tensor (the fused qkv projection's output)
+    wide = torch.cat([q, torch.randn(num_seqs, 2, d, dtype=dtype)], dim=1)
+    sliced = ops.paged_decode_attention(wide[:, :heads], kc, vc, tables, lens, 0.17, window)
+    torch.testing.assert_close(sliced, got, rtol=0, atol=0)
+
+
 def _paged_case(dtype, bits, heads, kv_heads, rows_per_seq, lens, nb=120, bs=8, d=32):
     """A paged cache (codes + scale_zero when bits > 0) and query rows: each sequence's last
     rows_per_seq positions, as a prefill chunk (or a decode step when 1) asks for them."""
@@ -162,6 +187,7 @@ def test_entry_points_fall_back_to_the_references(monkeypatch):
     y = torch.randn(3, 32)
     out, res = kernels.fused_add_rms_norm(y, y.clone(), torch.ones(32), 1e-6)
     assert torch.equal(res, y + y)
+    assert kernels.native_decode_attention(torch.float32, torch.device("cpu")) is None
     assert kernels.native_paged_attention(torch.float32, torch.device("cpu")) is None
 
 

@@ -1,7 +1,9 @@
 """Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
-On the CPU, every group (decode and prefill, any quant_policy) goes to the native paged
-kernel in steadylm/kernels instead, which reads the blocks in place and computes each query
-row on its own, so a token's bits do not depend on its batch, chunk, preemption or cache hit.
+On the CPU, native kernels in steadylm/kernels read the blocks in place instead: decode groups
+of an unquantized cache go to the paged decode kernel, and every group of an int8 / int4 cache
+(prefill and decode) to the paged attention kernel, which computes each query row on its own,
+so a token's bits, and so the codes it writes, do not depend on its batch, chunk, preemption or
+cache hit.
 
 Per group, one batched SDPA call: queries padded to (S, max_q), keys gathered from the block
 tables up to the group's longest context, and a boolean causal (optionally sliding-window) mask.
@@ -81,16 +83,30 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         _zero_new_blocks(cache, md)
-        dtype = cache.k.dtype if cache.quant_policy == 0 else cache.k_scale_zero.dtype
-        native = kernels.native_paged_attention(dtype, cache.k.device)
+        if cache.quant_policy:
+            self._prepare_quantized(md, cache)
+            return
+        native = kernels.native_decode_attention(cache.k.dtype, cache.k.device)
         for g in md.groups:
-            if native is not None:
-                # Every query row reads the paged cache in place on its own: no gather, no
-                # tiles, no mask, and bits that do not depend on the rest of the batch.
+            if native is not None and g.max_query_len == 1:
+                # Decode reads the paged cache in place: no gather, no tiles, no mask.
                 g.prepared = {"native": native, "window": md.sliding_window or 0}
-                g.prepared["token_seq"], g.prepared["token_ctx"] = _token_contexts(g)
             else:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
+
+    def _prepare_quantized(self, md: AttentionMetadata, cache: KVCache) -> None:
+        """int8 / int4: every query row, prefill or decode, goes to the native kernel, which
+        dequantizes the blocks in place and computes each row on its own. One ulp of K can move
+        an int4 code, so the K/V a token writes must not depend on the chunk, batch, preemption
+        or cache hit it met; SDPA's result for a row depends on its tile and mask."""
+        native = kernels.native_paged_attention(cache.k_scale_zero.dtype, cache.k.device)
+        for g in md.groups:
+            if native is None:
+                g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
+                continue
+            seq, ctx = _token_contexts(g)
+            g.prepared = {"rows": native, "window": md.sliding_window or 0}
+            g.prepared.update(token_seq=seq, token_ctx=ctx)
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
         slots = md.slot_mapping
@@ -107,11 +123,11 @@ class TorchAttentionBackend(AttentionBackend):
             params[layer].view(-1, *sz.shape[1:]).index_copy_(0, slots, sz)
 
     def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
-        if len(md.groups) == 1 and "native" in md.groups[0].prepared:
+        if len(md.groups) == 1 and md.groups[0].prepared.keys() & {"native", "rows"}:
             return _native(q, cache, layer, md.groups[0], scale)
         out = torch.empty_like(q)
         for g in md.groups:
-            if "native" in g.prepared:
+            if g.prepared.keys() & {"native", "rows"}:
                 rows = slice(g.token_start, g.token_end)
                 out[rows] = _native(q[rows], cache, layer, g, scale)
                 continue
@@ -140,12 +156,16 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
     p = g.prepared
-    sz = [t[layer] if t is not None else None for t in (cache.k_scale_zero, cache.v_scale_zero)]
-    return p["native"](
+    if "native" in p:  # decode over an unquantized cache
+        return p["native"](
+            q, cache.k[layer], cache.v[layer], g.block_tables, g.context_lens, scale, p["window"]
+        )
+    return p["rows"](
         q,
         cache.k[layer],
         cache.v[layer],
-        *sz,
+        cache.k_scale_zero[layer],
+        cache.v_scale_zero[layer],
         g.block_tables,
         p["token_seq"],
         p["token_ctx"],

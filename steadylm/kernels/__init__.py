@@ -149,6 +149,22 @@ def paged_attention_ref(
     return out
 
 
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """One new token per sequence over an unquantized cache: q (S, H, D) -> (S, H, D)."""
+    seqs = torch.arange(q.shape[0])
+    return paged_attention_ref(
+        q, k_cache, v_cache, None, None, block_tables, seqs, context_lens, scale, window
+    )
+
+
 # ---- entry points -------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ops = _native_for(x, weight)
@@ -176,12 +192,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
+def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
+    """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
+    window) -> out` for an unquantized cache of this dtype and device, or None: the caller
+    keeps its own batched reference (attention/torch_ref.py)."""
+    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.paged_decode_attention
+
+
 def native_paged_attention(dtype: torch.dtype, device: torch.device):
     """The native paged attention kernel `(q, k_cache, v_cache, k_scale_zero, v_scale_zero,
-    block_tables, token_seq, context_lens, scale, window, bits) -> out` for a model of this
-    dtype and device (any quant_policy), or None: the caller keeps its own batched reference
-    (attention/torch_ref.py). Each query row's result is independent of the rest of the batch
-    (cpu_ops.cpp states how)."""
+    block_tables, token_seq, context_lens, scale, window, bits) -> out` (prefill and decode
+    rows, unquantized or int8 / int4 cache) for a model of this dtype and device, or None: the
+    caller keeps its own batched reference (attention/torch_ref.py). Each query row's bits are
+    independent of the rest of the batch (cpu_ops.cpp states how)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     ops = native_ops()

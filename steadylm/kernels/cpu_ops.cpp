@@ -159,7 +159,139 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// ---- Paged attention -------------------------------------------------------------------
+// ---- Paged decode attention ------------------------------------------------------------
+// One new token per sequence. q (S, H, D); k/v cache (num_blocks, block_size, Hkv, D);
+// block_tables (S, max_blocks) int64; context_lens (S,) int64 (the new token included).
+// Query head h reads KV head h / (H / Hkv) (transformers' repeat_kv). A window W > 0 keeps
+// the last W positions. Keys are read where they lie: no gather, no padding.
+//
+// Work items are (sequence, span of positions), each reading its tokens' rows (all KV heads,
+// contiguous within a block) front to back, so the reads stream; a short batch splits each
+// context into spans across threads (flash-decoding) and merges the spans' partial softmaxes.
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                           const at::Tensor& tables, const at::Tensor& lens, double scale,
+                           int64_t window, at::Tensor& out) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = kc.size(1), hkv = kc.size(2), G = H / hkv;
+  const int64_t max_blocks = tables.size(1);
+  const int64_t qs = q.stride(0);  // q may be a row slice of the fused qkv tensor
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t row = hkv * D;  // elements per cached token
+  const float sc = static_cast<float>(scale);
+  constexpr int64_t kMinSpan = 64;
+  const int64_t threads = at::get_num_threads();
+  const int64_t spans = S >= threads ? 1 : (threads + S - 1) / S;
+  // Partials per (sequence, span, head): running max, sum of exp, unnormalised output.
+  std::vector<float> pmax(S * spans * H, -std::numeric_limits<float>::infinity());
+  std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
+  at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(H * D), p;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / spans, span = item % spans;
+      const int64_t ctx = lp[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t len = std::max<int64_t>(kMinSpan, (ctx - first + spans - 1) / spans);
+      const int64_t lo = first + span * len, hi = std::min(ctx, lo + len);
+      if (lo >= hi) continue;
+      const int64_t n = hi - lo;
+      const int64_t* table = tp + s * max_blocks;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qp[s * qs + h * D + d]) * sc;
+      p.resize(H * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = lo + t;
+        const T* k = kp + (table[pos / bs] * bs + pos % bs) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qf.data() + h * D;
+          const T* kh = k + (h / G) * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f(kh[d]);
+          p[h * n + t] = dot;
+        }
+      }
+      float* mx = pmax.data() + item * H;
+      float* sm = psum.data() + item * H;
+      float* acc = pacc.data() + item * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* ph = p.data() + h * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, ph[t]);
+        for (int64_t t = 0; t < n; ++t) ph[t] -= m;
+        exp_inplace(ph, n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) sum += ph[t];
+        mx[h] = m;
+        sm[h] = sum;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = lo + t;
+        const T* v = vp + (table[pos / bs] * bs + pos % bs) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float w = p[h * n + t];
+          const T* vh = v + (h / G) * D;
+          float* a = acc + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += w * to_f(vh[d]);
+        }
+      }
+    }
+  });
+  // Merge the spans of each (sequence, head): rescale each by exp(max_span - max_all).
+  at::parallel_for(0, S * H, 64, [&](int64_t j0, int64_t j1) {
+    std::vector<float> o(D);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t s = j / H, h = j % H;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < spans; ++sp) m = std::max(m, pmax[(s * spans + sp) * H + h]);
+      float total = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        const int64_t i = (s * spans + sp) * H + h;
+        if (psum[i] == 0.f) continue;  // an empty span
+        const float f = spans == 1 ? 1.f : std::exp(pmax[i] - m);
+        total += psum[i] * f;
+        const float* a = pacc.data() + i * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) op[(s * H + h) * D + d] = from_f<T>(o[d] * inv);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode_attention: q (S, H, D) with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: k/v cache (num_blocks, block_size, Hkv, D) contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: cache dtype must equal q's");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: head_dim must match and H divide by Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode_attention: int64 block_tables (S, B) and context_lens (S,)");
+  auto out = at::empty(q.sizes(), q.options());
+  SL_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                    window, out);
+  });
+  return out;
+}
+
+// ---- Paged attention over a quantized cache ----------------------------------------------
 // Every query row t (a decode token or one token of a prefill chunk) attends to keys
 // [first_t, ctx_t) of its sequence, read from the paged cache in place: q (T, H, D);
 // token_seq (T,) names the block_tables row (S, max_blocks) of t's sequence; context_lens
@@ -178,31 +310,32 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // what keeps the KV codes written after it identical too (one ulp can move a 4-bit code).
 //
 // Work items are (tile of up to kQTile consecutive rows of one sequence, KV head, span): the
-// span's K and V rows are converted to fp32 once and reused by the tile's rows and the G query
-// heads that share the KV head.
+// span's K and V rows are dequantized to fp32 once and reused by the tile's rows and the G
+// query heads that share the KV head. The engine runs it for quant_policy 8 / 4 (decode and
+// prefill); unquantized caches keep the decode kernel above and SDPA for prefill, 2-5x faster
+// on long prefills than this per-row formulation (attention measured alone, 1 thread).
 constexpr int64_t kSpan = 256;
 constexpr int64_t kQTile = 16;
 
-// sum_d a[d] * b[d] in a fixed order: kVec-wide fused multiply-adds, then the lanes summed
-// front to back, then the tail.
-inline float dot_fixed(const float* a, const float* b, int64_t n) {
+// q . k over D in a fixed order: kVec-wide fused multiply-adds front to back (a partial load
+// for a D tail), then the lanes summed by at::vec's fixed shuffle tree. Every dot of the kernel
+// goes through here, so a key's score does not depend on which rows share its tile.
+inline float dot_fixed(const float* q, const float* k, int64_t D) {
   Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= n; d += kVec) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  float lanes[kVec];
-  acc.store(lanes);
-  float s = 0.f;
-  for (int64_t i = 0; i < kVec; ++i) s += lanes[i];
-  for (; d < n; ++d) s = std::fma(a[d], b[d], s);
-  return s;
+  for (int64_t d = 0; d < D; d += kVec) {
+    const int64_t r = std::min<int64_t>(kVec, D - d);
+    acc = at::vec::fmadd(Vec::loadu(q + d, r), Vec::loadu(k + d, r), acc);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
 }
 
-// acc[d] += w * v[d], fused, for every d (the same rounding in the vector body and the tail).
-inline void axpy_fixed(float w, const float* v, float* acc, int64_t n) {
+// acc[d] += w * v[d], fused, for every d (a D tail takes the same op on a partial load).
+inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
   const Vec wv(w);
-  int64_t d = 0;
-  for (; d + kVec <= n; d += kVec) at::vec::fmadd(wv, Vec::loadu(v + d), Vec::loadu(acc + d)).store(acc + d);
-  for (; d < n; ++d) acc[d] = std::fma(w, v[d], acc[d]);
+  for (int64_t d = 0; d < D; d += kVec) {
+    const int64_t r = std::min<int64_t>(kVec, D - d);
+    at::vec::fmadd(wv, Vec::loadu(v + d, r), Vec::loadu(acc + d, r)).store(acc + d, r);
+  }
 }
 
 template <typename T>
@@ -211,6 +344,11 @@ struct KVReader {
   const T* plain;        // bits 0
   const T* params;       // (.., 2) scale, zero
   int64_t bits, hkv, d, block_size;
+  // fp32 rows of an unquantized fp32 cache are read where they lie (no copy).
+  bool in_place() const { return bits == 0 && std::is_same<T, float>::value; }
+  const float* at(int64_t slot, int64_t h) const {
+    return reinterpret_cast<const float*>(plain) + (slot * hkv + h) * d;
+  }
   // One cached token's row for KV head h as fp32: out (D,).
   void row(int64_t slot, int64_t h, float* out) const {
     const int64_t idx = slot * hkv + h;
@@ -270,44 +408,73 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
     psum.assign(P, 0.f);
     pacc.assign(P * D, 0.f);
     at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(D), p(kSpan);
+      std::vector<float> kbuf, vbuf, qf(kQTile * G * D), p(kQTile * G * kSpan);
+      if (!kr.in_place()) kbuf.resize(kSpan * D), vbuf.resize(kSpan * D);
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t span = item % max_span, hk = (item / max_span) % hkv;
         const int64_t tile = tile0 + item / max_span / hkv;
         const int64_t t0 = tile_start[tile], t1 = tile_start[tile + 1];
         const int64_t s_lo = span * kSpan;
-        int64_t lo = s_lo + kSpan, hi = s_lo;  // union of the tile's key ranges in this span
+        int64_t ra[kQTile], rb[kQTile];  // each row's keys in this span: [ra, rb)
+        int64_t lo = s_lo + kSpan, hi = s_lo;  // their union
         for (int64_t t = t0; t < t1; ++t) {
-          lo = std::min(lo, std::max(s_lo, first_of(t)));
-          hi = std::max(hi, std::min(s_lo + kSpan, lp[t]));
+          ra[t - t0] = std::max(s_lo, first_of(t));
+          rb[t - t0] = std::min(s_lo + kSpan, lp[t]);
+          lo = std::min(lo, ra[t - t0]);
+          hi = std::max(hi, rb[t - t0]);
         }
         if (lo >= hi) continue;
         const int64_t* table = tp + sp[t0] * max_blocks;
+        auto slot_of = [&](int64_t pos) { return table[pos / bs] * bs + pos % bs; };
+        if (!kr.in_place())
+          for (int64_t pos = lo; pos < hi; ++pos) {
+            kr.row(slot_of(pos), hk, kbuf.data() + (pos - lo) * D);
+            vr.row(slot_of(pos), hk, vbuf.data() + (pos - lo) * D);
+          }
+        auto krow = [&](int64_t pos) {
+          return kr.in_place() ? kr.at(slot_of(pos), hk) : kbuf.data() + (pos - lo) * D;
+        };
+        auto vrow = [&](int64_t pos) {
+          return vr.in_place() ? vr.at(slot_of(pos), hk) : vbuf.data() + (pos - lo) * D;
+        };
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
+        // Scores, key by key: each key row is read once for the tile's rows and G heads.
         for (int64_t pos = lo; pos < hi; ++pos) {
-          const int64_t slot = table[pos / bs] * bs + pos % bs;
-          kr.row(slot, hk, kbuf.data() + (pos - lo) * D);
-          vr.row(slot, hk, vbuf.data() + (pos - lo) * D);
+          const float* k = krow(pos);
+          for (int64_t r = 0; r < t1 - t0; ++r) {
+            if (pos < ra[r] || pos >= rb[r]) continue;
+            for (int64_t g = 0; g < G; ++g)
+              p[(r * G + g) * kSpan + pos - s_lo] = dot_fixed(qf.data() + (r * G + g) * D, k, D);
+          }
         }
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t a = std::max(s_lo, first_of(t)), b = std::min(s_lo + kSpan, lp[t]);
-          if (a >= b) continue;
-          const int64_t n = b - a;
-          for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-            for (int64_t d = 0; d < D; ++d) qf[d] = to_f(qp[t * qs + h * D + d]) * sc;
+        for (int64_t r = 0; r < t1 - t0; ++r) {
+          if (ra[r] >= rb[r]) continue;
+          const int64_t n = rb[r] - ra[r];
+          for (int64_t g = 0; g < G; ++g) {
+            float* pr = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
             float m = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < n; ++j) {
-              p[j] = dot_fixed(qf.data(), kbuf.data() + (a - lo + j) * D, D);
-              m = std::max(m, p[j]);
-            }
-            for (int64_t j = 0; j < n; ++j) p[j] -= m;
-            exp_inplace(p.data(), n);
+            for (int64_t j = 0; j < n; ++j) m = std::max(m, pr[j]);
+            for (int64_t j = 0; j < n; ++j) pr[j] -= m;
+            exp_inplace(pr, n);
             float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) sum += p[j];
-            const int64_t i = ((t - r0) * H + h) * max_span + span;
-            float* acc = pacc.data() + i * D;
-            for (int64_t j = 0; j < n; ++j) axpy_fixed(p[j], vbuf.data() + (a - lo + j) * D, acc, D);
+            for (int64_t j = 0; j < n; ++j) sum += pr[j];
+            const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
             pmax[i] = m;
             psum[i] = sum;
+          }
+        }
+        // Values, key by key, each (row, head) accumulating in position order.
+        for (int64_t pos = lo; pos < hi; ++pos) {
+          const float* v = vrow(pos);
+          for (int64_t r = 0; r < t1 - t0; ++r) {
+            if (pos < ra[r] || pos >= rb[r]) continue;
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
+              axpy_fixed(p[(r * G + g) * kSpan + pos - s_lo], v, pacc.data() + i * D, D);
+            }
           }
         }
       }
@@ -549,6 +716,10 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int window) -> Tensor",
+      &paged_decode_attention);
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale_zero, "
       "Tensor? v_scale_zero, Tensor block_tables, Tensor token_seq, Tensor context_lens, "
