@@ -2,7 +2,8 @@
 
 Invariants (checked by `check_integrity`):
 - a block's ref count equals the number of requests whose block table holds it;
-- the free queue holds exactly the blocks with ref count 0, in LRU order (evict from the front);
+- the free queue holds exactly the blocks with ref count 0, allocated from the front: blocks
+  that hold nothing findable first (most recently freed first), then cached blocks in LRU order;
 - with prefix caching, a free block may keep its hash and stay findable until it is reused;
   such a block still counts as free capacity.
 Blocks are freed in exactly one place, `free()`.
@@ -191,8 +192,12 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks: the one place blocks are freed. Blocks go to the free
-        queue tail in reverse order, so a sequence's last blocks are evicted first."""
+        """Release the request's blocks: the one place blocks are freed. A cached block (it has
+        a hash) goes to the free queue tail, in reverse order, so a sequence's last blocks are
+        evicted first. A block with nothing to find in it goes to the front and is reused next:
+        on the CPU a pool page costs memory once first written, and handing new requests every
+        never-used block in turn grew the server's RSS until the whole pool (4 GiB by default
+        there) had been touched. Now the pages in use follow the peak number of blocks used."""
         table = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         for block_id in reversed(table):
@@ -203,6 +208,8 @@ class BlockManager:
                 if not self.enable_prefix_caching:
                     block.block_hash, block.token_ids, block.parent_hash = None, (), None
                 self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

@@ -23,16 +23,32 @@ def test_allocate_exact_ids_and_free_order():
     assert bm.num_free_blocks == 2
     bm.check_integrity()
     bm.free(a)
-    # Freed in reverse order to the queue tail: the LRU front is still 4, 5.
-    assert list(bm.free_queue) == [4, 5, 2, 1, 0]
+    # Nothing cached in them: freed to the queue front and reused first, before 4 and 5 are
+    # ever touched (on the CPU an untouched block costs no memory).
+    assert list(bm.free_queue) == [0, 1, 2, 4, 5]
     bm.check_integrity()
     c = req("c", list(range(12)))
     bm.allocate(c, 12)
-    assert bm.block_table("c") == [4, 5, 2]
+    assert bm.block_table("c") == [0, 1, 2]
     bm.free(b)
     bm.free(c)
     assert bm.num_free_blocks == 6
     bm.check_integrity()
+
+
+def test_freed_blocks_are_reused_before_untouched_ones():
+    """The blocks ever handed out follow the peak in use, not the pool size: on the CPU each
+    never-used block handed out is memory the process gains for good."""
+    for prefix_caching in (False, True):
+        bm = BlockManager(num_blocks=100, block_size=4, enable_prefix_caching=prefix_caching)
+        ever: set[int] = set()
+        for i in range(300):
+            r = req(f"r{i}", list(range(1 + i % 10)))
+            bm.allocate(r, r.num_tokens)
+            ever.update(bm.block_table(r.request_id))
+            bm.free(r)
+        assert ever == {0, 1, 2}  # one request of up to 10 tokens at a time: 3 blocks
+        bm.check_integrity()
 
 
 def test_growth_allocates_one_block_per_boundary():
