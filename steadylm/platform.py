@@ -62,6 +62,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_onednn_bf16() -> bool:
+    """Whether oneDNN can prepack bf16 weights here: it needs AVX512 BW/VL/DQ or
+    AVX-NE-CONVERT (an AVX2-only CPU raises in mkldnn_reorder_linear_weight)."""
+    flags = _cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether /proc/cpuinfo lists avx512_bf16 or amx_bf16 (x86; False elsewhere)."""
     return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})

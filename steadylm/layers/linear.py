@@ -68,7 +68,10 @@ class OneDNNDenseKernel(LinearKernel):
     def supports(weight: torch.Tensor) -> bool:
         return (
             weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
+            and (
+                weight.dtype == torch.float32
+                or (weight.dtype == torch.bfloat16 and platform.cpu_onednn_bf16())
+            )
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and platform.cpu_gemm() == "onednn"
