@@ -74,8 +74,15 @@ class PromptEncoder:
         return self._dedupe_bos(ids)
 
     def encode_messages(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
+        """Token ids of a conversation through the chat template. `continue_final_message`
+        leaves the last (assistant) message open for the model to continue; `template_kwargs`
+        reach the template as variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         _check_messages(messages)
         if self.formatter is not None:
             try:
@@ -97,11 +104,15 @@ class PromptEncoder:
             self.plain_template_used = True
             template = PLAIN_TEMPLATE
         try:
+            extra = dict(template_kwargs or {})
+            if continue_final_message:
+                extra["continue_final_message"] = True
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
+                **extra,
             )
         except Exception as exc:  # a template that raises on these messages
             raise RequestError(

@@ -40,6 +40,10 @@ class RunnerRequest:
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
 
 @dataclass(frozen=True)
 class _Row:

@@ -59,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_new_tokens: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI / vLLM: subtracted once from each generated token
+    frequency_penalty: float = 0.0  # ... and this times its count in the output so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         """Every field is checked against what the engine can represent, so no value reaches
@@ -82,6 +85,16 @@ class SamplingParams:
         _require_int(self.min_new_tokens, "min_new_tokens", 0, INT64_MAX)
         if self.logprobs is not None:
             _require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        _require_float(self.presence_penalty, "presence_penalty", -2, 2)
+        _require_float(self.frequency_penalty, "frequency_penalty", -2, 2)
+        _require(
+            all(
+                _is_int(t) and 0 <= t <= INT64_MAX and _finite(b) and -100 <= b <= 100
+                for t, b in self.logit_bias
+            ),
+            "logit_bias",
+            "logit_bias maps token ids to biases in [-100, 100]",
+        )
         for name in ("stop_token_ids", "bad_token_ids"):
             ids = getattr(self, name)
             _require(

@@ -28,6 +28,9 @@ class SamplingRow(Protocol):
     @property
     def all_token_ids(self) -> list[int]: ...
 
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
 
 @dataclass
 class SamplerOutput:
@@ -87,7 +90,13 @@ class Sampler:
             banned_rows += [i] * len(ids)
             banned_cols += ids
         penalised = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
-        if not banned_rows and not penalised:
+        counted = [
+            i
+            for i, r in enumerate(requests)
+            if r.params.presence_penalty or r.params.frequency_penalty
+        ]
+        biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        if not banned_rows and not penalised and not counted and not biased:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
@@ -104,6 +113,19 @@ class Sampler:
             p = requests[i].params.repetition_penalty
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
+        for i in counted:  # OpenAI / vLLM semantics, over the generated tokens only
+            out = [t for t in requests[i].output_token_ids if t < vocab]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).to(
+                logits.device, logits.dtype
+            )
+            p = requests[i].params
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        for i in biased:
+            pairs = [(t, b) for t, b in requests[i].params.logit_bias if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                bias = torch.tensor([b for _, b in pairs], device=logits.device)
+                logits[i, ids] += bias.to(logits.dtype)
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:

@@ -187,3 +187,24 @@ def test_a_failed_sampling_call_leaves_seeded_generators_unchanged():
             sampler._sample = draw_noise
         got.append(sampler(LOGITS[None], [req]).token_ids[0])
     assert got == want
+
+
+def test_presence_frequency_penalties_and_logit_bias_follow_openai():
+    """logit -= frequency * count + presence * (count > 0), over generated tokens only (vLLM's
+    rule); logit_bias adds to the named tokens. Checked through greedy picks on fixed logits."""
+    params = SamplingParams(presence_penalty=0.3, frequency_penalty=0.2)
+    r = Request("p", [0, 0, 0], params)  # the prompt's tokens are not counted
+    for t in (0, 0, 1):
+        r.append_output(t)
+    got = Sampler(torch.device("cpu"))._apply_penalties(LOGITS[None].clone(), [r])[0]
+    want = LOGITS.clone()
+    want[0] -= 0.2 * 2 + 0.3
+    want[1] -= 0.2 * 1 + 0.3
+    torch.testing.assert_close(got, want)
+    bias = SamplingParams(logit_bias=((7, 100.0), (2, -5.0)))
+    out = Sampler(torch.device("cpu"))(LOGITS[None], [Request("b", [1], bias)])
+    assert out.token_ids == [7]  # the least likely token, pushed to the top
+    with pytest.raises(ValueError):
+        SamplingParams(logit_bias=((1, 101.0),))
+    with pytest.raises(ValueError):
+        SamplingParams(presence_penalty=2.5)

@@ -189,7 +189,13 @@ def build_app(state: ServerState) -> FastAPI:
         body = await _parse_body(request, ChatCompletionRequest, state)
         _check_request(state, body, 1)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await _encode(state.encoder.encode_messages, msgs, body.add_generation_prompt)
+        ids = await _encode(
+            state.encoder.encode_messages,
+            msgs,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
         return await _serve(state, request, body, [ids], chat=True)
 
     return app
@@ -344,7 +350,22 @@ def _sampling(body: SamplingFields, state: ServerState, chat: bool, index: int) 
         ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_new_tokens or 0,
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=_logit_bias(body, state),
     )
+
+
+def _logit_bias(body: SamplingFields, state: ServerState) -> tuple[tuple[int, float], ...]:
+    pairs = body.logit_bias_pairs()
+    vocab = state.engine.model_config.vocab_size
+    bad = [t for t, _ in pairs if t >= vocab]
+    if bad:
+        raise RequestError(
+            f"logit_bias: token id {bad[0]} is not in the vocabulary (size {vocab})",
+            param="logit_bias",
+        )
+    return pairs
 
 
 async def _serve(state: ServerState, request: Request, body, prompts: list[list[int]], chat: bool):

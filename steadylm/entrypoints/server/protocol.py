@@ -17,6 +17,39 @@ from steadylm.tokenizer import has_surrogates
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+
+
+def _refuse_unsupported(body: Any) -> None:
+    """Fields steadylm does not implement yet are a 400 naming them, never silently ignored."""
+    checks = [
+        (
+            "response_format",
+            body.response_format not in (None, {"type": "text"}),
+            "structured output (response_format) is not supported yet",
+        ),
+        ("tools", bool(body.tools), "tool calls are not supported yet"),
+        (
+            "tool_choice",
+            body.tool_choice not in (None, "none", "auto")
+            or (body.tool_choice == "auto" and bool(body.tools)),
+            "tool calls are not supported yet",
+        ),
+        ("functions", bool(body.functions), "function calls are not supported"),
+        (
+            "function_call",
+            body.function_call not in (None, "none"),
+            "function calls are not supported",
+        ),
+        (
+            "best_of",
+            body.best_of not in (None, 1, body.n),
+            "best_of other than n is not supported; ask for n choices",
+        ),
+    ]
+    for name, bad, why in checks:
+        if bad:
+            raise ValueError(f"{name}: {why}")
 
 
 class StrictModel(BaseModel):
@@ -86,18 +119,34 @@ class SamplingFields(StrictModel):
     spaces_between_special_tokens: bool = True
     min_new_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
 
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError(
-                "presence_penalty and frequency_penalty are not supported; use repetition_penalty"
-            )
+        _refuse_unsupported(self)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+            for key, bias in self.logit_bias.items():
+                if not key.isdigit() or len(key) > 19:
+                    raise ValueError(f"logit_bias: {key!r} is not a token id")
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias: the bias of {key} must be in [-100, 100]")
         stops = self.stop_list()
         if len(stops) > MAX_STOP or not all(stops) and isinstance(self.stop, list):
             raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop: each stop string has at most {MAX_STOP_CHARS} characters")
         return self
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     def stop_list(self) -> list[str]:
         if self.stop is None or self.stop == "":
@@ -110,11 +159,14 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _no_echo(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("echo is not supported yet")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported")
         return self
 
     def num_prompts(self) -> int:
@@ -151,6 +203,19 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _continue(self) -> ChatCompletionRequest:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message: set add_generation_prompt to false with it"
+                )
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message: the last message must be the assistant's")
+        return self
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
