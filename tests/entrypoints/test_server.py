@@ -309,12 +309,12 @@ BAD = [  # (description, method, path, body or raw bytes, expected status, messa
         "echo",
     ),
     (
-        "presence penalty",
+        "presence penalty out of range",
         "json",
         "/v1/completions",
-        {"model": MODEL, "prompt": "a", "presence_penalty": 1},
+        {"model": MODEL, "prompt": "a", "presence_penalty": 2.5},
         400,
-        "repetition_penalty",
+        "presence_penalty",
     ),
     (
         "min_p above one",
