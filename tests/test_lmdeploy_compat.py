@@ -114,15 +114,7 @@ def _default(node: ast.expr | None) -> object:
 
 
 def steadylm_defaults(cls: type) -> dict[str, object]:
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-        else:
-            out[f.name] = dataclasses.MISSING
-    return out
+    return {f.name: api._default(f) for f in dataclasses.fields(cls)}
 
 
 def _same_default(ours: object, theirs: object) -> bool:

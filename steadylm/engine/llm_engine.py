@@ -193,9 +193,9 @@ class LLMEngine:
         return self.runner.execute(contract)
 
     def _release_alone(self, req: Request) -> None:
-        self.contracts.finish(req.request_id)
+        """Drop an internal request's runner state now (no later step will carry it)."""
+        self.contracts.sent.pop(req.request_id, None)
         self.runner.apply(StepContract(finished_ids=[req.request_id]))
-        self.contracts.pending_finished.remove(req.request_id)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(

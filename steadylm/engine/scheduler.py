@@ -24,11 +24,6 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the request's last known token (and so samples one)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
 
 @dataclass
 class SchedulerOutput:

@@ -49,10 +49,6 @@ class StepContract:
         """(request id, tokens to compute) of every request this step runs, in order."""
         return [(r.request_id, r.num_new_tokens) for r in (*self.new, *self.cached)]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class ContractBuilder:
     """Scheduler side: remembers what the runner has been told about each request, so each
