@@ -9,12 +9,21 @@ Budget knobs, in one precedence (setting two is an error naming both):
                              activation reserve; the default (0.8) when nothing is set on CUDA
 On CPU the device memory is the machine's available RAM, and with no knob set the KV pool is
 4 GiB (as vLLM's CPU backend defaults), bounded by what cache_max_entry_count=0.8 would give.
+
+Tensor parallelism: every byte figure is per rank, counted from the shards `tp_shape` gives (the
+engine builds its layers from the same function), so each rank allocates exactly what the plan
+says. Attention heads, KV heads (or one replicated KV head per rank when tp is a multiple of
+them), the MLP's intermediate dim and the vocabulary rows are split; norms, the residual stream
+and o_proj's bias are whole on every rank. Activations are rank 0's, the largest: it also holds
+the gathered logits. On CPU the ranks of one machine share its RAM, so each plans against its
+share, and the 4 GiB default is per rank.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.errors import ConfigError, OutOfMemoryPlanError
@@ -27,10 +36,61 @@ _ABSOLUTE_KNOBS = ("num_gpu_blocks", "max_total_tokens", "kv_cache_bytes")
 _SHARE_KNOBS = ("gpu_memory_utilization", "cache_max_entry_count")
 
 
+class TPShape(NamedTuple):
+    """The per-rank sizes of a model split over tp ranks."""
+
+    local_heads: int
+    local_kv_heads: int  # 1 when tp is a multiple of the KV heads: each rank holds a copy
+    local_intermediate: int
+    local_vocab: int  # ceil(vocab / tp): the last rank's rows are zero-padded
+
+
+def tp_shape(cfg: ModelConfig, tp: int) -> TPShape:
+    """-> (local_heads, local_kv_heads, local_intermediate, local_vocab) of one rank, or a
+    ConfigError naming the split that is impossible and the tp values that work."""
+    problem = _split_problem(cfg, tp)
+    if problem is not None:
+        fits = [str(n) for n in range(1, 65) if _split_problem(cfg, n) is None]
+        raise ConfigError(
+            f"tp={tp}: {problem}; tp values that split this model: {', '.join(fits)}",
+            param="tp",
+        )
+    kv = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
+    return TPShape(
+        cfg.num_heads // tp, kv, cfg.intermediate_size // tp, math.ceil(cfg.vocab_size / tp)
+    )
+
+
+def _split_problem(cfg: ModelConfig, tp: int) -> str | None:
+    if tp < 1:
+        return "the tensor-parallel degree must be at least 1"
+    if cfg.num_heads % tp:
+        return f"{cfg.num_heads} attention heads do not split evenly over {tp} ranks"
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        return (
+            f"{cfg.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide "
+            f"{tp} (to hold one replicated KV head per rank)"
+        )
+    if cfg.intermediate_size % tp:
+        return f"intermediate_size {cfg.intermediate_size} does not split evenly over {tp} ranks"
+    group = awq_group_size(cfg)
+    if group is None or tp == 1:
+        return None
+    for name, k in (("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)):
+        if (k // tp) % group:
+            return (
+                f"{name} splits its {k} inputs into {k // tp} per rank: the split cuts an AWQ "
+                f"group of {group}"
+            )
+    return None
+
+
 def kv_bytes_per_token(cfg: ModelConfig, quant_policy: int, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes of K and V for one token over all layers. Quantized policies store, per token and
-    head, head_dim codes (8 bits, or 4 bits packed two per byte) plus a scale and a zero point in
-    the model dtype: so int4 at head_dim 128 in fp16 is 64 + 4 = 68 bytes vs 256 (3.76x)."""
+    """Bytes of K and V for one token over all layers, on one of `tp` ranks. Quantized policies
+    store, per token and head, head_dim codes (8 bits, or 4 bits packed two per byte) plus a
+    scale and a zero point in the model dtype: so int4 at head_dim 128 in fp16 is 64 + 4 = 68
+    bytes vs 256 (3.76x). ceil(kv / tp) is tp_shape's local KV heads for every valid split:
+    kv / tp when tp divides them, and 1 (replicated) when tp is a multiple of them."""
     heads = math.ceil(cfg.num_kv_heads / tp)
     if quant_policy == 0:
         per_head = cfg.head_dim * dtype_bytes
@@ -62,24 +122,32 @@ def linear_bytes(
 def weight_bytes_from_config(
     cfg: ModelConfig, dtype_bytes: int, tp: int = 1, layout: str = "checkpoint"
 ) -> int:
-    """Per-device weight bytes, counted from the architecture alone (no files read)."""
+    """Weight bytes on one of `tp` ranks, counted from the architecture alone (no files read).
+
+    Column-parallel (qkv_proj with its bias, gate_up_proj) split their outputs, row-parallel
+    (o_proj, down_proj) their inputs; embed_tokens and lm_head hold ceil(vocab / tp) rows; norms
+    and o_proj's bias are whole on every rank."""
     awq = awq_group_size(cfg)
-    c, i = cfg.hidden_size, cfg.intermediate_size
+    heads, kv_heads, inter, vocab = tp_shape(cfg, tp)
+    c, q = cfg.hidden_size, heads * cfg.head_dim
+    qkv = q + 2 * kv_heads * cfg.head_dim
     lb = lambda n_in, n_out: linear_bytes(n_in, n_out, dtype_bytes, awq, layout)  # noqa: E731
     per_layer = (
-        lb(c, cfg.q_size + 2 * cfg.kv_size)  # merged qkv_proj
-        + lb(cfg.q_size, c)
-        + lb(c, 2 * i)  # merged gate_up_proj
-        + lb(i, c)
+        lb(c, qkv)  # merged qkv_proj
+        + lb(q, c)
+        + lb(c, 2 * inter)  # merged gate_up_proj
+        + lb(inter, c)
         + 2 * c * dtype_bytes
     )
     if cfg.architecture.startswith("Qwen2") or cfg.attention_bias:
-        per_layer += (cfg.q_size + 2 * cfg.kv_size) * dtype_bytes
+        per_layer += qkv * dtype_bytes
+    if cfg.attention_bias:
+        per_layer += c * dtype_bytes  # o_proj's bias
     if cfg.qk_norm:
         per_layer += 2 * cfg.head_dim * dtype_bytes
-    embed = cfg.vocab_size * c * dtype_bytes
+    embed = vocab * c * dtype_bytes
     head = 0 if cfg.tie_word_embeddings else embed
-    return (cfg.num_layers * per_layer + embed + head + c * dtype_bytes) // tp
+    return cfg.num_layers * per_layer + embed + head + c * dtype_bytes
 
 
 def awq_group_size(cfg: ModelConfig) -> int | None:
@@ -90,25 +158,35 @@ def awq_group_size(cfg: ModelConfig) -> int | None:
 
 
 def activation_bytes(
-    cfg: ModelConfig, num_tokens: int, max_batch_size: int, max_context: int, dtype_bytes: int
+    cfg: ModelConfig,
+    num_tokens: int,
+    max_batch_size: int,
+    max_context: int,
+    dtype_bytes: int,
+    tp: int = 1,
 ) -> int:
-    """Peak transient memory of one step of `num_tokens` tokens with the reference backend.
+    """Peak transient memory of one step of `num_tokens` tokens with the reference backend, on
+    rank 0 of `tp` (the largest).
 
-    Counted: the residual stream and norm outputs, the fused qkv output and attention output,
-    the fused gate/up output and its activation (or, when larger, the attention workspace: K and
-    V gathered for at most `workspace_tokens` padded context tokens, plus the boolean mask), and
-    fp32 logits with the sampler's copies for the rows that sample: at most one row per
-    sequence, never one per prompt token.
+    Counted: the residual stream and norm outputs (whole on every rank), this rank's fused qkv
+    output and attention output, its fused gate/up output and activation (or, when larger, the
+    attention workspace: its K and V heads gathered for at most `workspace_tokens` padded context
+    tokens, plus the boolean mask), and fp32 logits with the sampler's copies for the rows that
+    sample: at most one row per sequence, never one per prompt token. At tp > 1 each rank
+    computes (rows, ceil(V / tp)) logits and rank 0 also holds them gathered, (rows, tp * that).
     """
     from steadylm.attention.torch_ref import workspace_tokens
 
+    heads, kv_heads, inter, vocab = tp_shape(cfg, tp)
     t, c = num_tokens, cfg.hidden_size
+    q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
     stream = 4 * t * c * dtype_bytes
-    qkv = t * (cfg.q_size + 2 * cfg.kv_size) * dtype_bytes + t * cfg.q_size * dtype_bytes
-    mlp = 3 * t * cfg.intermediate_size * dtype_bytes
-    attn = 2 * workspace_tokens(max_context) * cfg.kv_size * dtype_bytes + t * max_context
+    qkv = t * (q + 2 * kv) * dtype_bytes + t * q * dtype_bytes
+    mlp = 3 * t * inter * dtype_bytes
+    attn = 2 * workspace_tokens(max_context) * kv * dtype_bytes + t * max_context
     rows = min(max_batch_size, t)
-    logits = 4 * rows * cfg.vocab_size * 4
+    local = 0 if tp == 1 else rows * vocab * 4  # at tp=1 the local logits are the full ones
+    logits = local + rows * tp * vocab * 4 + 3 * rows * cfg.vocab_size * 4
     return stream + qkv + max(mlp, attn) + logits
 
 
@@ -139,6 +217,7 @@ class MemoryPlan:
     session_len: int
     max_batch_size: int
     quant_policy: int
+    tp: int = 1  # at tp > 1 every byte figure is one rank's (activations: rank 0's, the largest)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -162,22 +241,23 @@ class MemoryPlan:
         return d
 
     def table(self) -> str:
+        per = " (per rank)" if self.tp > 1 else ""
         rows = [
             (
-                "device",
+                "device" + per,
                 f"{self.device} ({fmt_bytes(self.device_total_bytes)} total, "
                 f"{fmt_bytes(self.device_free_bytes)} free)",
             ),
             ("budget from", self.budget_source),
-            ("weights", fmt_bytes(self.weight_bytes)),
+            ("weights" + per, fmt_bytes(self.weight_bytes)),
             (
-                "activation reserve",
+                "activation reserve" + (" (rank 0, the largest)" if per else ""),
                 f"{fmt_bytes(self.activation_bytes)} "
                 f"(max_prefill_token_num={self.max_prefill_token_num})",
             ),
-            ("KV cache", fmt_bytes(self.kv_cache_bytes)),
+            ("KV cache" + per, fmt_bytes(self.kv_cache_bytes)),
             (
-                "KV bytes per token",
+                "KV bytes per token" + per,
                 f"{self.kv_bytes_per_token:,} (quant_policy={self.quant_policy})",
             ),
             ("KV blocks", f"{self.num_blocks:,} x {self.block_size} tokens"),
@@ -188,7 +268,8 @@ class MemoryPlan:
         ]
         width = max(len(k) for k, _ in rows)
         lines = [f"  {k.ljust(width)}  {v}" for k, v in rows]
-        return "\n".join(["memory plan:", *lines, *[f"  note: {n}" for n in self.notes]])
+        title = f"memory plan (tp={self.tp}, byte figures per rank):" if per else "memory plan:"
+        return "\n".join([title, *lines, *[f"  note: {n}" for n in self.notes]])
 
 
 def fmt_bytes(n: float) -> str:
@@ -218,22 +299,27 @@ def plan_memory(
     weight_bytes: int | None = None,
     is_cpu: bool = False,
     tp: int | None = None,
+    local_ranks: int | None = None,
 ) -> MemoryPlan:
-    """Decide the KV pool for `ec` on `device` (per device, for `tp` devices; the planner may
-    ask about tp > 1 though the engine runs tp=1). Deterministic: the engine allocates exactly
-    `num_blocks` of the returned plan."""
+    """Decide the KV pool for `ec` on `device`, per rank of `tp` (default `ec.tp`); every rank
+    gets the same plan. `weight_bytes`, when given, is one rank's. On CPU, `local_ranks` (default
+    tp) ranks share the machine's RAM, so each plans against that share of `device`.
+    Deterministic: the engine allocates exactly `num_blocks` of the returned plan."""
     knob = check_knobs(ec)
     tp = tp or ec.tp
+    tp_shape(mc, tp)  # an impossible split is a ConfigError before any arithmetic
+    notes: list[str] = list(ec.plan_notes)
+    if is_cpu and tp > 1:
+        device = _cpu_rank_share(device, tp, local_ranks or tp, notes)
     weights = (
         weight_bytes if weight_bytes is not None else weight_bytes_from_config(mc, dtype_bytes, tp)
     )
     per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
-    notes: list[str] = list(ec.plan_notes)
     n = ec.max_prefill_token_num
     while True:
-        act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes)
+        act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes, tp)
         kv_bytes, source = _kv_budget(ec, knob, device, weights, act, block_bytes, is_cpu)
         num_blocks = max(0, int(kv_bytes // block_bytes))
         used = weights + act + num_blocks * block_bytes
@@ -279,8 +365,33 @@ def plan_memory(
         session_len=session_len,
         max_batch_size=ec.max_batch_size,
         quant_policy=ec.quant_policy,
+        tp=tp,
         notes=notes,
     )
+
+
+def _cpu_rank_share(
+    device: DeviceMemory, tp: int, local_ranks: int, notes: list[str]
+) -> DeviceMemory:
+    """One rank's share of a CPU machine whose RAM `local_ranks` of the tp ranks share."""
+    if not 1 <= local_ranks <= tp:
+        raise ConfigError(
+            f"local_ranks={local_ranks}: the ranks on this machine must number 1 to tp={tp}",
+            param="local_ranks",
+        )
+    share = DeviceMemory(
+        device.name, device.total_bytes // local_ranks, device.free_bytes // local_ranks
+    )
+    default = f"the CPU default KV budget of {fmt_bytes(CPU_DEFAULT_KV_BYTES)} applies per rank"
+    if local_ranks == 1:
+        notes.append(f"CPU, tp={tp}: one rank on this machine plans against all its RAM; {default}")
+    else:
+        notes.append(
+            f"CPU, tp={tp}: the {local_ranks} ranks on this machine share its RAM, so each plans "
+            f"against 1/{local_ranks} of it ({fmt_bytes(share.free_bytes)} of "
+            f"{fmt_bytes(device.free_bytes)} free), and {default}."
+        )
+    return share
 
 
 def _kv_budget(ec, knob, device: DeviceMemory, weights, act, block_bytes, is_cpu):

@@ -19,6 +19,7 @@ from steadylm.memory import (
     MemoryPlan,
     fmt_bytes,
     plan_memory,
+    tp_shape,
     weight_bytes_from_config,
 )
 
@@ -140,16 +141,15 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         cache_max_entry_count=args.cache_max_entry_count,
     )
     weights = None
-    if mc.quantization:
+    if mc.quantization or args.tp > 1:
+        # AWQ: the repacked int4 layout steadylm holds; tp > 1: one rank's shards, which the
+        # architecture gives exactly (a file total cannot say what each rank holds)
         weights = weight_bytes_from_config(mc, DTYPE_BYTES[dtype], args.tp, layout="runtime")
     elif model_dir is not None:
         from steadylm.loader import safetensors_files, weight_bytes_from_files
 
         try:
-            weights = (
-                weight_bytes_from_files(safetensors_files(model_dir), _torch_dtype(dtype))
-                // args.tp
-            )
+            weights = weight_bytes_from_files(safetensors_files(model_dir), _torch_dtype(dtype))
         except Exception:  # a config-only directory: count from the architecture
             weights = None
     plan = plan_memory(
@@ -162,6 +162,16 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         tp=args.tp,
     )
     return plan, mc
+
+
+def _rank_shape(mc: ModelConfig, tp: int) -> str:
+    if tp == 1:
+        return ""
+    heads, kv_heads, inter, vocab = tp_shape(mc, tp)
+    return (
+        f" (per rank: {heads} heads, {kv_heads} KV heads, intermediate {inter:,}, "
+        f"{vocab:,} vocab rows)"
+    )
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -183,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{args.model}: {mc.architecture}{quant}, {mc.num_layers} layers, "
         f"{mc.num_kv_heads} KV heads x head_dim {mc.head_dim}, tp={args.tp}"
+        + _rank_shape(mc, args.tp)
     )
     print(plan.table())
     print(
