@@ -434,7 +434,9 @@ def base_template(p: dict[str, Any], messages: list[dict], add_generation_prompt
 
 
 _BUDGETS = ("gpu_memory_utilization", "kv_cache_bytes", "max_total_tokens")
-_TP = "tensor parallelism is not supported yet; use tp=1"
+_TP = "attention and MLP are split over the same tp ranks; set tp"
+_TP_PROCS = "tp > 1 starts worker processes on this machine, or joins a torchrun launch"
+_MULTI_NODE = "launch each node with torchrun; MASTER_ADDR / MASTER_PORT name rank 0 (README)"
 
 
 @dataclass
@@ -528,7 +530,7 @@ class PytorchEngineConfig:
         "custom_module_map": (REJECTED, "custom model modules are not loaded"),
         "download_dir": (NO_EFFECT, _NO_DOWNLOAD),
         "revision": (NO_EFFECT, _NO_DOWNLOAD),
-        "distributed_executor_backend": (NO_EFFECT, "steadylm runs one process at tp=1"),
+        "distributed_executor_backend": (NO_EFFECT, _TP_PROCS),
         "empty_init": (REJECTED, "skipping weight loading would change every result"),
         "enable_microbatch": (NO_EFFECT, "a scheduling detail of LMDeploy's engine"),
         "enable_eplb": (NO_EFFECT, _MOE),
@@ -623,16 +625,16 @@ class TurbomindEngineConfig:
         "dp": (REJECTED, "data parallelism is not supported; run one engine per replica"),
         "cp": (REJECTED, "context parallelism is not supported"),
         "ep": (REJECTED, _MOE),
-        "device_num": (NO_EFFECT, "steadylm runs on one device at tp=1"),
+        "device_num": (NO_EFFECT, "tp is the number of devices"),
         "attn_tp_size": (REJECTED, _TP),
         "attn_cp_size": (REJECTED, "context parallelism is not supported"),
         "attn_dp_size": (REJECTED, "data parallelism is not supported"),
         "mlp_tp_size": (REJECTED, _TP),
         "mlp_dp_size": (REJECTED, "data parallelism is not supported"),
         "outer_dp_size": (REJECTED, "data parallelism is not supported"),
-        "nnodes": (REJECTED, "multi-node serving is not supported yet"),
-        "node_rank": (REJECTED, "multi-node serving is not supported yet"),
-        "dist_init_addr": (NO_EFFECT, "steadylm runs one process at tp=1"),
+        "nnodes": (REJECTED, _MULTI_NODE),
+        "node_rank": (REJECTED, _MULTI_NODE),
+        "dist_init_addr": (NO_EFFECT, _MULTI_NODE),
         "devices": (NO_EFFECT, "pick the device with CUDA_VISIBLE_DEVICES"),
         "cache_chunk_size": (NO_EFFECT, "the KV pool is allocated once, at startup"),
         "cache_checkpoint_interval": (NO_EFFECT, "a TurboMind prefix-cache detail"),
@@ -651,7 +653,7 @@ class TurbomindEngineConfig:
         "async_": (NO_EFFECT, "steadylm's engine loop runs in a background thread"),
         "empty_init": (REJECTED, "skipping weight loading would change every result"),
         "language_model_only": (NO_EFFECT, _NO_VISION),
-        "communicator": (NO_EFFECT, "steadylm runs one process at tp=1"),
+        "communicator": (NO_EFFECT, "NCCL on CUDA and gloo on CPU, chosen by the device"),
         "moe_a2a_backend": (NO_EFFECT, _MOE),
         "hf_overrides": (REJECTED, "overriding the model config would change results"),
         "enable_metrics": (NO_EFFECT, "the server always exports /metrics"),

@@ -99,10 +99,13 @@ def run_offline(args) -> dict:
         else [(args.num_prompts, args.input_len, args.output_len)]
     )
     results = []
-    for n, i, o in shapes:
-        offline_once(engine, min(n, 2), i, min(o, 8), seed=999)  # warm-up
-        runs = [offline_once(engine, n, i, o, seed=r) for r in range(args.runs)]
-        results.append((f"{n} x {i} -> {o}", summarize(runs)))
+    try:
+        for n, i, o in shapes:
+            offline_once(engine, min(n, 2), i, min(o, 8), seed=999)  # warm-up
+            runs = [offline_once(engine, n, i, o, seed=r) for r in range(args.runs)]
+            results.append((f"{n} x {i} -> {o}", summarize(runs)))
+    finally:
+        engine.shutdown()
     print_table(
         f"steadylm offline ({args.model}, torch threads {torch.get_num_threads()})", results
     )

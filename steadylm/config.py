@@ -169,14 +169,12 @@ class EngineConfig:
     watermark_blocks: int | None = None
     eviction_type: str = "recompute"
     seed: int = 0
+    dist_timeout_s: float = 60.0  # tp > 1: a collective waiting longer than this fails
     log_stats_interval_s: float = 10.0
     plan_notes: tuple[str, ...] = ()  # said with the memory plan (e.g. a knob that lost)
 
     def __post_init__(self) -> None:
-        _check(
-            self.tp == 1, "tp", f"tp={self.tp}: tensor parallelism is not supported yet; use tp=1"
-        )
-        _check_positive(self, "max_batch_size", "max_prefill_token_num", "block_size")
+        _check_positive(self, "tp", "max_batch_size", "max_prefill_token_num", "block_size")
         if self.session_len is not None:
             _check_positive(self, "session_len")
         _check(
@@ -200,6 +198,9 @@ class EngineConfig:
         for name in ("max_total_tokens", "kv_cache_bytes"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"{name}={value} must be positive")
+        _check(
+            self.dist_timeout_s > 0, "dist_timeout_s", f"dist_timeout_s={self.dist_timeout_s} > 0"
+        )
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 

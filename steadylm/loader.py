@@ -16,6 +16,7 @@ from torch import nn
 
 from steadylm.config import ModelConfig
 from steadylm.errors import ModelLoadError
+from steadylm.layers.shard import CheckpointTensor
 from steadylm.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,15 @@ def safetensors_files(model_dir: str) -> list[str]:
     )
 
 
-def iter_tensors(files: list[str], device: str = "cpu") -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_checkpoint(files: list[str]) -> Iterator[tuple[str, str, CheckpointTensor]]:
+    """Every tensor as a lazy `CheckpointTensor`: a weight loader narrows it to this rank's
+    part before anything is read from disk."""
     for path in files:
         try:
-            with safe_open(path, framework="pt", device=device) as f:
+            with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield path, name, f.get_tensor(name)
+                    sl = f.get_slice(name)
+                    yield path, name, CheckpointTensor(sl, tuple(sl.get_shape()))
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, ModelLoadError):
                 raise
@@ -111,7 +115,7 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_loads(model, params, cfg)
     loaded: set[tuple[str, object]] = set()
-    for path, name, tensor in iter_tensors(files):
+    for path, name, tensor in iter_checkpoint(files):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -122,7 +126,7 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
             logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, path)
             continue
         try:
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            param.weight_loader(param, tensor, shard)
         except ModelLoadError as exc:
             raise ModelLoadError(f"{path}: tensor {name!r}: {exc.message}") from None
         loaded.add((target, shard))

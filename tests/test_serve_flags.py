@@ -145,8 +145,8 @@ REFUSED = {
     "--ep": (["--ep", "2"], "expert parallelism", ["--ep", "1"]),
     "--cp": (["--cp", "2"], "context parallelism", ["--cp", "1"]),
     "--role": (["--role", "Prefill"], "disaggregate", ["--role", "Hybrid"]),
-    "--node-rank": (["--node-rank", "1"], "multi-node", ["--node-rank", "0"]),
-    "--nnodes": (["--nnodes", "2"], "multi-node", ["--nnodes", "1"]),
+    "--node-rank": (["--node-rank", "1"], "torchrun", ["--node-rank", "0"]),
+    "--nnodes": (["--nnodes", "2"], "torchrun", ["--nnodes", "1"]),
     "--rope-scaling-factor": (
         ["--rope-scaling-factor", "2.0"],
         "rope",
@@ -260,9 +260,10 @@ def test_vllm_spellings_mean_the_same(flag, model_dir):
     assert ok(checked(model_dir, argv))
 
 
-def test_tp_above_one_is_refused_by_the_engine_config(model_dir):
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        engine_config_from_args(checked(model_dir, ["--tensor-parallel-size", "2"]))
+def test_tensor_parallel_size_is_tp(model_dir):
+    assert engine_config_from_args(checked(model_dir, ["--tensor-parallel-size", "2"])).tp == 2
+    with pytest.raises(ConfigError, match="tp"):
+        engine_config_from_args(checked(model_dir, ["--tp", "0"]))
 
 
 def test_log_level_before_or_after_the_subcommand(model_dir):

@@ -85,6 +85,9 @@ class AsyncEngine:
         self._pending_aborts: queue.SimpleQueue[tuple[str, RequestStatus]] = queue.SimpleQueue()
         self._stopping = False
         self.dead_error: str | None = None
+        listeners = getattr(engine.executor, "on_dead", None)
+        if listeners is not None:  # a tensor-parallel worker died: fail callers now
+            listeners.append(self._executor_died)
         self._thread = threading.Thread(target=self._run, name="steadylm-engine", daemon=True)
         self._thread.start()
 
@@ -192,6 +195,17 @@ class AsyncEngine:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def _executor_died(self, error: str) -> None:
+        """Called from the executor's watchdog. An idle loop is woken to fail every caller; a
+        loop inside a step (holding the lock) fails on its own when the step's collective
+        sees the dead peer."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._wake.notify()
+            finally:
+                self._lock.release()
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -204,8 +218,15 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self.engine.has_unfinished():
+                    executor = self.engine.executor
+                    while (
+                        not self._stopping
+                        and not self.engine.has_unfinished()
+                        and executor.dead_error is None
+                    ):
                         self._wake.wait()
+                    if executor.dead_error is not None:
+                        raise EngineDeadError(executor.dead_error)
                     if self._stopping:
                         self._deliver(self.engine.abort_all())
                         return

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from steadylm import kernels, platform
-from steadylm.attention import get_backend
+from steadylm import kernels, parallel, platform
 from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.block_manager import BlockManager, cache_salt
+from steadylm.engine.executor import Executor, InProcessExecutor
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from steadylm.engine.scheduler import Scheduler, SchedulerOutput
 from steadylm.engine.step import ContractBuilder, StepContract
-from steadylm.errors import RequestError
+from steadylm.errors import ConfigError, EngineDeadError, RequestError
 from steadylm.memory import MemoryPlan, plan_memory
 
 logger = logging.getLogger("steadylm")
@@ -69,7 +69,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(
         self,
-        model: nn.Module,
+        executor: Executor,
         model_config: ModelConfig,
         config: EngineConfig,
         plan: MemoryPlan,
@@ -84,21 +84,13 @@ class LLMEngine:
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.session_len = plan.session_len
+        self.executor = executor
+        self.runner = executor.runner  # rank 0's (tests and tools read its model and cache)
+        self.kv_cache = self.runner.kv_cache
         if device.type == "cpu":
             platform.tune_cpu_allocator()
             # Built (once per machine) or loaded now, not inside the first request's step.
             logger.info("CPU kernels: %s", kernels.status())
-        backend = get_backend("torch")
-        self.kv_cache = backend.allocate(
-            model_config.num_layers,
-            plan.num_blocks,
-            plan.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype,
-            device,
-            config.quant_policy,
-        )
         watermark = config.watermark_blocks
         if watermark is None:
             watermark = max(1, plan.num_blocks // 100) if plan.num_blocks > 8 else 0
@@ -109,9 +101,6 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, plan.max_prefill_token_num
-        )
-        self.runner = ModelRunner(
-            model, backend, self.kv_cache, plan.block_size, device, config.seed
         )
         self.contracts = ContractBuilder()  # what the runner has been told, request by request
         self.requests: dict[str, Request] = {}
@@ -142,26 +131,41 @@ class LLMEngine:
         dtype = platform.resolve_dtype(config.dtype, mc, device)
         if device.type == "cpu":
             platform.tune_cpu_allocator()  # before loading: the weights are allocated too
+            kernels.status()  # built (once per machine) before the workers would race to
         files = safetensors_files(model_dir)
-        if mc.quantization:  # AWQ: the repacked int4 layout steadylm will hold
+        if mc.quantization or config.tp > 1:  # per rank / the repacked int4 layout
             size = torch.tensor([], dtype=dtype).element_size()
-            weights = weight_bytes_from_config(mc, size, layout="runtime")
+            weights = weight_bytes_from_config(mc, size, config.tp, layout="runtime")
         else:
             weights = weight_bytes_from_files(files, dtype)
         plan = make_plan(mc, config, device, dtype, weights)
-        model = load_model(model_dir, mc, dtype, device)
-        return cls(model, mc, config, plan, device, dtype, tokenizer)
+        if config.tp > 1:
+            from steadylm.engine.executor import TPExecutor
+
+            executor = TPExecutor(model_dir, mc, config, plan, torchrun=parallel.under_torchrun())
+        else:
+            model = load_model(model_dir, mc, dtype, device)
+            executor = InProcessExecutor(ModelRunner.create(model, config, plan, device, dtype))
+        return cls(executor, mc, config, plan, device, dtype, tokenizer)
 
     @classmethod
     def from_model(cls, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> LLMEngine:
         """Wrap an already-built model (tests, the demo)."""
         from steadylm.loader import model_weight_bytes
 
+        if config.tp > 1:
+            raise ConfigError(
+                f"tp={config.tp} needs a model directory (each rank loads its own shard); "
+                "use LLMEngine.from_pretrained",
+                param="tp",
+            )
         mc = model.cfg
         param = next(model.parameters())
         weights = model_weight_bytes(model)
         plan = make_plan(mc, config, param.device, param.dtype, weights)
-        return cls(model, mc, config, plan, param.device, param.dtype, tokenizer)
+        runner = ModelRunner.create(model, config, plan, param.device, param.dtype)
+        executor = InProcessExecutor(runner)
+        return cls(executor, mc, config, plan, param.device, param.dtype, tokenizer)
 
     def _check_activation_estimate(self) -> None:
         """On CUDA, run one dummy prefill of max_prefill_token_num tokens and compare its
@@ -190,12 +194,12 @@ class LLMEngine:
     def _run_alone(self, req: Request, n: int) -> dict:
         """Run one internal request's step outside the schedule (profile, probe)."""
         contract = self.contracts.build([(req, n)], [], self.block_manager.block_table)
-        return self.runner.execute(contract)
+        return self.executor.execute(contract)
 
     def _release_alone(self, req: Request) -> None:
         """Drop an internal request's runner state now (no later step will carry it)."""
         self.contracts.sent.pop(req.request_id, None)
-        self.runner.apply(StepContract(finished_ids=[req.request_id]))
+        self.executor.apply(StepContract(finished_ids=[req.request_id]))
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -279,11 +283,13 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        m0 = self.runner.model_seconds
+        m0 = self.executor.model_seconds
         out = self.scheduler.schedule()
         failed: list[Request] = []
         try:
             sampled = self.execute(out)
+        except EngineDeadError:
+            raise  # the tensor-parallel group is gone: nothing to retry on
         except Exception as exc:  # find who caused it: one bad request must not fail others
             out, sampled, failed = self._isolate_fault(out, exc)
         else:
@@ -297,7 +303,7 @@ class LLMEngine:
                 out.num_tokens,
                 used,
                 time.perf_counter() - t0,
-                self.runner.model_seconds - m0,
+                self.executor.model_seconds - m0,
                 len(out.preempted),
             )
         )
@@ -312,7 +318,7 @@ class LLMEngine:
             out.preempted,
             self.block_manager.block_table,
         )
-        return self.runner.execute(contract)
+        return self.executor.execute(contract)
 
     def _isolate_fault(
         self, out: SchedulerOutput, exc: Exception
@@ -331,8 +337,10 @@ class LLMEngine:
         errors: dict[str, str] = {}
         for s in out.scheduled:
             try:
-                sampled.update(self.runner.run([(s.request.request_id, s.num_new_tokens)]))
+                sampled.update(self.executor.run([(s.request.request_id, s.num_new_tokens)]))
                 survivors.append(s)
+            except EngineDeadError:
+                raise
             except Exception as alone:
                 errors[s.request.request_id] = f"{type(alone).__name__}: {alone}"
                 failed.append(s.request)
@@ -367,6 +375,8 @@ class LLMEngine:
         try:
             self._run_alone(req, 1)
             return True
+        except EngineDeadError:
+            raise
         except Exception:
             logger.exception("the engine's probe step failed too")
             return False
@@ -405,7 +415,7 @@ class LLMEngine:
                 self._forget(req)
         if not self.scheduler.has_unfinished and self.contracts.pending_finished:
             # Idle: no next step will carry these, so tell the runner now.
-            self.runner.apply(StepContract(finished_ids=self.contracts.pending_finished))
+            self.executor.apply(StepContract(finished_ids=self.contracts.pending_finished))
             self.contracts.pending_finished = []
         return outputs
 
@@ -442,8 +452,8 @@ class LLMEngine:
         try:
             while req.num_computed_tokens < len(ids):
                 n = min(len(ids) - req.num_computed_tokens, self.plan.max_prefill_token_num)
-                self.runner.apply(self.contracts.build([(req, n)], [], bm.block_table))
-                chunks.append(self.runner.all_logits(req.request_id, n))
+                self.executor.apply(self.contracts.build([(req, n)], [], bm.block_table))
+                chunks.append(self.executor.all_logits(req.request_id, n))
                 req.num_computed_tokens += n
         finally:
             bm.free(req)
@@ -470,7 +480,11 @@ class LLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.consecutive_faults < MAX_CONSECUTIVE_FAULTS
+        return self.executor.dead_error is None and self.consecutive_faults < MAX_CONSECUTIVE_FAULTS
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at tp=1). Idempotent."""
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -486,7 +500,7 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens,
             healthy=self.healthy,
-            last_error=self.last_error,
+            last_error=self.executor.dead_error or self.last_error,
             fault_counts=dict(self.fault_counts),
             num_request_faults=self.num_request_faults,
         )

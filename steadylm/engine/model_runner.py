@@ -16,10 +16,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from steadylm.attention import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
+from steadylm.attention import (
+    AttentionBackend,
+    AttentionGroup,
+    AttentionMetadata,
+    KVCache,
+    get_backend,
+)
+from steadylm.config import EngineConfig
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.sampler import Sampler
 from steadylm.engine.step import StepContract
+from steadylm.memory import MemoryPlan
 
 Sampled = dict[str, tuple[int, dict | None]]  # request id -> (token, logprobs)
 
@@ -75,6 +83,33 @@ class ModelRunner:
         self.sliding_window = model.cfg.sliding_window
         self.requests: dict[str, RunnerRequest] = {}
         self.model_seconds = 0.0  # time inside the model forward + logits (benchmarks read it)
+        # True while the forward may be inside a collective: a fault there leaves the other
+        # ranks waiting in it, so the executor treats it as fatal.
+        self.in_collectives = False
+
+    @classmethod
+    def create(
+        cls,
+        model: nn.Module,
+        config: EngineConfig,
+        plan: MemoryPlan,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> ModelRunner:
+        """A runner with this rank's KV cache: exactly the plan's blocks, with the model's
+        (this rank's) KV heads."""
+        backend = get_backend("torch")
+        kv_cache = backend.allocate(
+            model.cfg.num_layers,
+            plan.num_blocks,
+            plan.block_size,
+            model.num_kv_heads,
+            model.cfg.head_dim,
+            dtype,
+            device,
+            config.quant_policy,
+        )
+        return cls(model, backend, kv_cache, plan.block_size, device, config.seed)
 
     # ---- the contract -------------------------------------------------------------------
     def apply(self, contract: StepContract) -> None:
@@ -117,14 +152,19 @@ class ModelRunner:
         ids, positions, md = self._prepare(order)
         self.backend.prepare(md, self.kv_cache)
         t0 = time.perf_counter()
+        self.in_collectives = True
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
         sampling = [r for r in order if r.samples]
         if not sampling:
+            self.in_collectives = False
             self.model_seconds += time.perf_counter() - t0
             return {}
         ends = torch.tensor([r.num_new_tokens for r in order]).cumsum(0)
         idx = torch.tensor([i for i, r in enumerate(order) if r.samples])
         logits = self.model.compute_logits(hidden[(ends[idx] - 1).to(self.device)])  # (S, V)
+        self.in_collectives = False
+        if logits is None:  # a tensor-parallel worker: rank 0 samples
+            return {}
         if logits.is_cuda:
             torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
         self.model_seconds += time.perf_counter() - t0
@@ -136,12 +176,16 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def all_logits(self, request_id: str, num_new_tokens: int) -> torch.Tensor:
-        """Logits of every new token of one applied request's chunk, (n, V) float32."""
+    def all_logits(self, request_id: str, num_new_tokens: int) -> torch.Tensor | None:
+        """Logits of every new token of one applied request's chunk, (n, V) float32 (None on
+        a tensor-parallel worker)."""
         ids, positions, md = self._prepare([_Row(self.requests[request_id], num_new_tokens)])
         self.backend.prepare(md, self.kv_cache)
+        self.in_collectives = True
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        self.in_collectives = False
+        return logits
 
     def _prepare(self, order: list[_Row]):
         dev = self.device

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from steadylm import parallel
 from steadylm.config import EngineConfig
 from steadylm.errors import SteadyLMError
 
@@ -45,7 +46,23 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     ("--device", dict(default="auto", help="auto, cpu or cuda")),
-    ("--tp", dict(type=int, default=1, help="tensor parallel degree (only 1 is supported)")),
+    (
+        "--tp",
+        dict(
+            type=int,
+            default=1,
+            help="tensor parallel degree: the model is sharded over this many ranks (worker "
+            "processes started on this machine, or the ranks of a torchrun launch)",
+        ),
+    ),
+    (
+        "--dist-timeout-s",
+        dict(
+            type=float,
+            default=60.0,
+            help="tp > 1: a collective that waits longer than this fails the engine",
+        ),
+    ),
     (
         "--session-len",
         dict(
@@ -156,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "sub_log_level", None) or args.log_level  # `serve --log-level X`
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "generate", "bench") and (parallel.torchrun_rank() or 0) > 0:
+        # torchrun: rank 0 runs this command (scheduler, server); every other rank is a worker
+        # that takes the model, config and plan from rank 0.
+        from steadylm.engine import worker
+
+        return worker.serve_torchrun()
     try:
         return COMMANDS[args.command](args)
     except SteadyLMError as exc:
@@ -205,7 +228,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.random_seed,
     )
-    req = engine.generate([args.prompt], params)[0]
+    try:
+        req = engine.generate([args.prompt], params)[0]
+    finally:
+        engine.shutdown()
     print(args.prompt + tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
     print(f"[{req.num_output_tokens} tokens, finish_reason={req.finish_reason}]", file=sys.stderr)
     return 0

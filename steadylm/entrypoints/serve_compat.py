@@ -36,7 +36,10 @@ _FLAG = {"action": "store_true"}
 _INT, _FLOAT, _STR = {"type": int}, {"type": float}, {"type": str}
 _NO_GRAPHS = "steadylm runs eagerly and captures no CUDA graphs"
 _NO_DOWNLOAD = "steadylm never downloads: the model is the local directory given"
-_ONE_PROCESS = "steadylm runs one process on one device: nothing is distributed"
+_ONE_PROCESS = (
+    "--tp > 1 starts worker processes on this machine (or joins a torchrun launch): NCCL on "
+    "CUDA, gloo on CPU"
+)
 
 NO_EFFECT: tuple[CompatFlag, ...] = (
     CompatFlag(
@@ -120,14 +123,15 @@ NO_EFFECT: tuple[CompatFlag, ...] = (
     ),
 )
 
-_PARALLEL = "steadylm runs one model replica on one device"
+_PARALLEL = "steadylm runs one model replica, sharded over --tp ranks"
+_TORCHRUN_LAUNCH = " (more than one node: launch with torchrun)"
 _DLLM = "steadylm does not run diffusion LLMs"
 REJECTED: tuple[CompatFlag, ...] = (
     CompatFlag("--dp", _PARALLEL + " (no data parallelism)", True, 1, _INT),
     CompatFlag("--ep", _PARALLEL + " (no expert parallelism)", True, 1, _INT),
     CompatFlag("--cp", _PARALLEL + " (no context parallelism)", True, 1, _INT),
-    CompatFlag("--nnodes", _PARALLEL + " (no multi-node serving)", True, 1, _INT),
-    CompatFlag("--node-rank", _PARALLEL + " (no multi-node serving)", True, 0, _INT),
+    CompatFlag("--nnodes", _PARALLEL + _TORCHRUN_LAUNCH, True, 1, _INT),
+    CompatFlag("--node-rank", _PARALLEL + " (more than one node: torchrun sets it)", True, 0, _INT),
     CompatFlag(
         "--role",
         "steadylm does not disaggregate prefill and decode",

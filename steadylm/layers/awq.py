@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steadylm import parallel
 from steadylm.errors import ModelLoadError
 from steadylm.layers.linear import LinearKernel
+from steadylm.layers.shard import Split, materialize
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -173,42 +175,73 @@ class AWQLinear(nn.Module):
 
     kernel_choice = "auto"  # "auto" or "reference" (tests and debugging)
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, group: int):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        group: int,
+        split: Split | None = None,
+    ):
         super().__init__()
         group = in_features if group == -1 else group
-        n = sum(output_sizes)
-        for size in output_sizes:
-            if size % 8:
-                raise ModelLoadError(f"AWQ needs output sizes divisible by 8; got {size}")
+        split = split or Split.whole(output_sizes)
+        self.split = split
+        k = split.inp.size if split.inp is not None else in_features
         if in_features % group:
             raise ModelLoadError(
                 f"in_features {in_features} is not a multiple of "
                 f"quantization_config.group_size={group}"
             )
-        self.in_features, self.out_features, self.group = in_features, n, group
-        self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        g = in_features // group
-        self.qweight = self._param(torch.empty(in_features, n // 8, dtype=torch.int32), 8)
-        self.qzeros = self._param(torch.empty(g, n // 8, dtype=torch.int32), 8)
-        self.scales = self._param(torch.empty(g, n, dtype=torch.float16), 1)
-        self.bias = self._param(torch.empty(n), 1, dim=0) if bias else None
+        if split.inp is not None and (k % group or split.inp.start % group):
+            raise ModelLoadError(
+                f"tensor parallelism splits this layer's {in_features} inputs into {k} per rank, "
+                f"which cuts an AWQ group of {group}; use a tp that divides "
+                f"{in_features // group} groups"
+            )
+        sizes = [s.size for s in split.out]
+        for full, size in zip(output_sizes, sizes):
+            if size % 8:
+                what = f"{full} outputs split into {size} per rank" if size != full else full
+                raise ModelLoadError(f"AWQ needs output sizes divisible by 8; got {what}")
+        n = sum(sizes)
+        self.in_features, self.out_features, self.group = k, n, group
+        self.full_in_features = in_features
+        self.output_sizes = sizes
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.reduce = split.inp is not None  # row-parallel: sum partial outputs, then the bias
+        g = k // group
+        # (param, output dim, output pack, input dim, input pack)
+        self.qweight = self._param(torch.empty(k, n // 8, dtype=torch.int32), 8, 1)
+        self.qzeros = self._param(torch.empty(g, n // 8, dtype=torch.int32), 8, group)
+        self.scales = self._param(torch.empty(g, n, dtype=torch.float16), 1, group)
+        self.bias = self._param(torch.empty(n), 1, None) if bias else None
         self.kernel: Int4Kernel | None = None
 
-    def _param(self, t: torch.Tensor, pack: int, dim: int = 1) -> nn.Parameter:
+    def _param(self, t: torch.Tensor, out_pack: int, in_pack: int | None) -> nn.Parameter:
+        """A checkpoint tensor laid out (inputs / in_pack, outputs / out_pack), or a bias
+        (outputs) when in_pack is None; its loader takes this rank's part of it."""
         p = nn.Parameter(t, requires_grad=False)
+        out_dim = 0 if in_pack is None else 1
 
         def load(param, loaded, shard_id=None):
-            if shard_id is None:
-                target = param.data
-            else:
-                start, size = self.offsets[shard_id] // pack, self.output_sizes[shard_id] // pack
-                target = param.data.narrow(dim, start, size)
-            if target.shape != loaded.shape:
+            if (shard_id is None) != (len(self.split.out) == 1):
+                raise ModelLoadError(f"shard {shard_id!r} does not match this layer's shards")
+            i = shard_id or 0
+            cols = self.split.out[i]
+            expected = [cols.full // out_pack]
+            if in_pack is not None:
+                expected.insert(0, self.full_in_features // in_pack)
+            if list(loaded.shape) != expected:
                 raise ModelLoadError(
-                    f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
+                    f"shape mismatch: expected {tuple(expected)}, got {tuple(loaded.shape)}"
                 )
-            target.copy_(loaded)
+            if in_pack is not None and self.split.inp is not None:
+                inp = self.split.inp
+                loaded = loaded.narrow(0, inp.start // in_pack, inp.size // in_pack)
+            loaded = loaded.narrow(out_dim, cols.start // out_pack, cols.size // out_pack)
+            start = self.offsets[i] // out_pack
+            param.data.narrow(out_dim, start, cols.size // out_pack).copy_(materialize(loaded))
 
         p.weight_loader = load
         return p
@@ -231,4 +264,6 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.apply(x)
+        if self.reduce:
+            y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

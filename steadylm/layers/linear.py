@@ -20,20 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steadylm import kernels, platform
+from steadylm import kernels, parallel, platform
 from steadylm.errors import ModelLoadError
+from steadylm.layers.shard import Split, materialize
 
 logger = logging.getLogger(__name__)
 
 
-def default_weight_loader(
-    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-) -> None:
+def default_weight_loader(param: nn.Parameter, loaded, shard_id: object = None) -> None:
+    """A parameter every rank holds whole (norms)."""
     if param.shape != loaded.shape:
         raise ModelLoadError(
             f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
         )
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
 
 
 class LinearKernel:
@@ -109,68 +109,108 @@ def row_bucket(rows: int) -> int:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W stored as (out_features, in_features) like torch and HF."""
+    """y = x W^T + b, with W stored as (out_features, in_features) like torch and HF.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    `split` says which part of the checkpoint's weight this rank holds (`layers/shard.py`):
+    the whole of it (default), rows of each output shard (column-parallel), or input columns
+    (row-parallel: the partial outputs are summed over the ranks, then the bias added once).
+    `in_features` / `out_features` are this rank's sizes."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, split: Split | None = None
+    ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self._build(in_features, split or Split.whole([out_features]), bias)
+
+    def _build(self, in_features: int, split: Split, bias: bool) -> None:
+        self.split = split
+        self.in_features = split.inp.size if split.inp is not None else in_features
+        self.full_in_features = in_features
+        self.out_features = split.out_features
+        self.output_sizes = [s.size for s in split.out]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        self.reduce = split.inp is not None  # row-parallel: sum the partial outputs
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, self.in_features), requires_grad=False
+        )
+        self.weight.weight_loader = self._load
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = default_weight_loader
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
+            self.bias.weight_loader = self._load
         self.kernel: LinearKernel | None = None
         self.shared_weight = False  # tied to the embedding: keep the dense parameter
+
+    def _load(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
+        """Copy this rank's part of checkpoint tensor `loaded` (output shard `shard_id` of a
+        merged layer) into `param`, reading nothing else."""
+        if (shard_id is None) != (len(self.split.out) == 1):
+            raise ModelLoadError(f"shard {shard_id!r} does not match this layer's shards")
+        i = shard_id or 0
+        rows = self.split.out[i]
+        expected = (rows.full, self.full_in_features)[: param.dim()]
+        if tuple(loaded.shape) != expected:
+            raise ModelLoadError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+        if param.dim() == 2 and self.split.inp is not None:
+            loaded = loaded.narrow(1, self.split.inp.start, self.split.inp.size)
+        target = param.data.narrow(0, self.offsets[i], rows.size)
+        if rows.real < rows.size:  # vocab padding past the checkpoint's last row
+            target.zero_()
+        target.narrow(0, 0, rows.real).copy_(materialize(loaded.narrow(0, rows.start, rows.real)))
 
     def process_weights_after_loading(self) -> None:
         if self.shared_weight or not OneDNNDenseKernel.supports(self.weight):
             return
+        fused_bias = self.bias.data if self.bias is not None and not self.reduce else None
         try:
-            kernel = OneDNNDenseKernel(
-                self.weight.data, self.bias.data if self.bias is not None else None
-            )
+            kernel = OneDNNDenseKernel(self.weight.data, fused_bias)
         except RuntimeError as exc:  # an old or unusual oneDNN build: keep F.linear
             logger.warning("oneDNN linear unavailable (%s); using F.linear", exc)
             return
         self.kernel = kernel
-        del self.weight, self.bias  # only the packed copy stays
-        self.weight = self.bias = None
+        del self.weight  # only the packed copy stays
+        self.weight = None
+        if fused_bias is not None:
+            del self.bias
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel.apply(x)
-        return F.linear(x, self.weight, self.bias)
+        if not self.reduce:
+            if self.kernel is not None:
+                return self.kernel.apply(x)
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernel.apply(x) if self.kernel is not None else F.linear(x, self.weight)
+        y = parallel.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dim."""
+    """Several projections of the same input stacked along the output dim (q/k/v into
+    `qkv_proj`, gate/up into `gate_up_proj`): one matmul where the checkpoint has several."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.weight.weight_loader = self._load_shard
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_shard
-
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
-        assert isinstance(shard_id, int), shard_id
-        start, size = self.offsets[shard_id], self.output_sizes[shard_id]
-        target = param.data.narrow(0, start, size)
-        if target.shape != loaded.shape:
-            raise ModelLoadError(
-                f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
-            )
-        target.copy_(loaded)
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        split: Split | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self._build(in_features, split or Split.whole(output_sizes), bias)
 
 
 def make_linear(
-    cfg, in_features: int, output_sizes: list[int], bias: bool, names: list[str]
+    cfg,
+    in_features: int,
+    output_sizes: list[int],
+    bias: bool,
+    names: list[str],
+    split: Split | None = None,
 ) -> nn.Module:
     """The linear layer for checkpoint modules `names` (their full dotted names): AWQ when the
-    checkpoint is AWQ-quantized and none of them is in modules_to_not_convert, else dense."""
+    checkpoint is AWQ-quantized and none of them is in modules_to_not_convert, else dense.
+    `split`: this rank's part (default: the whole layer)."""
+    split = split or Split.whole(output_sizes)
     quant = cfg.quantization
     if quant:
         from steadylm.layers.awq import AWQLinear, check_awq_config
@@ -178,7 +218,7 @@ def make_linear(
         group = check_awq_config(quant)
         skip = quant.get("modules_to_not_convert") or []
         if not any(s in n for s in skip for n in names):
-            return AWQLinear(in_features, output_sizes, bias, group)
+            return AWQLinear(in_features, output_sizes, bias, group, split)
     if len(output_sizes) == 1:
-        return Linear(in_features, output_sizes[0], bias)
-    return MergedLinear(in_features, output_sizes, bias)
+        return Linear(in_features, output_sizes[0], bias, split)
+    return MergedLinear(in_features, output_sizes, bias, split)

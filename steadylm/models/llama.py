@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steadylm import kernels
+from steadylm import kernels, parallel
 from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
-from steadylm.layers.linear import Linear, default_weight_loader, make_linear
+from steadylm.errors import ModelLoadError
+from steadylm.layers.linear import Linear, make_linear
 from steadylm.layers.norm import RMSNorm
 from steadylm.layers.rotary import RotaryEmbedding, rotate
+from steadylm.layers.shard import Shard, Split, materialize
+from steadylm.memory import tp_shape
 from steadylm.models.registry import register
 
 
@@ -19,11 +22,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        # This rank's heads: query heads split evenly, KV heads split or (fewer KV heads than
+        # ranks) one replicated head per rank, the one its query heads attend to.
+        heads, kv_heads, _, _ = tp_shape(cfg, parallel.world_size())
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, cfg.head_dim
+        d, r = cfg.head_dim, parallel.rank()
+        kv_first = r * cfg.num_kv_heads // parallel.world_size()
+        q_rows = Shard(r * heads * d, heads * d, cfg.q_size)
+        kv_rows = Shard(kv_first * d, kv_heads * d, cfg.kv_size)
         at = f"model.layers.{layer}.self_attn."
         self.qkv_proj = make_linear(
             cfg,
@@ -31,8 +37,16 @@ class Attention(nn.Module):
             [cfg.q_size, cfg.kv_size, cfg.kv_size],
             qkv_bias,
             [at + "q_proj", at + "k_proj", at + "v_proj"],
+            Split((q_rows, kv_rows, kv_rows)),
         )
-        self.o_proj = make_linear(cfg, cfg.q_size, [cfg.hidden_size], o_bias, [at + "o_proj"])
+        self.o_proj = make_linear(
+            cfg,
+            cfg.q_size,
+            [cfg.hidden_size],
+            o_bias,
+            [at + "o_proj"],
+            Split.row(cfg.q_size, cfg.hidden_size),
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -56,16 +70,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         at = f"model.layers.{layer}.mlp."
+        i, c = cfg.intermediate_size, cfg.hidden_size
         self.gate_up_proj = make_linear(
-            cfg,
-            cfg.hidden_size,
-            [cfg.intermediate_size] * 2,
-            False,
-            [at + "gate_proj", at + "up_proj"],
+            cfg, c, [i] * 2, False, [at + "gate_proj", at + "up_proj"], Split.column([i] * 2)
         )
-        self.down_proj = make_linear(
-            cfg, cfg.intermediate_size, [cfg.hidden_size], False, [at + "down_proj"]
-        )
+        self.down_proj = make_linear(cfg, i, [c], False, [at + "down_proj"], Split.row(i, c))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # [gate | up] halves
@@ -93,13 +102,32 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Vocab-parallel: each rank holds a block of ceil(V / tp) rows; a token outside the
+    block embeds to zeros there, and the sum over ranks is its row."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.rows = Split.vocab(vocab_size).out[0]
+        self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
+        rows = self.rows
+        expected = (rows.full, param.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ModelLoadError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+        if rows.real < rows.size:
+            param.data.zero_()
+        part = materialize(loaded.narrow(0, rows.start, rows.real))
+        param.data.narrow(0, 0, rows.real).copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if parallel.world_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        mine = (local >= 0) & (local < self.rows.size)
+        x = F.embedding(local.clamp(0, self.rows.size - 1), self.weight)
+        return parallel.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
 
 class DecoderModel(nn.Module):
@@ -140,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg, **self.attn_flags(cfg))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # Vocab-parallel like the embedding: each rank computes its block of the logits.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, split=Split.vocab(cfg.vocab_size))
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.shared_weight = True
@@ -151,5 +181,10 @@ class LlamaForCausalLM(nn.Module):
         """ids, positions (T,) -> final hidden states (T, C)."""
         return self.model(ids, positions, backend, cache, md)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (S, V)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(S, V) float32 logits; at tp > 1 gathered on rank 0 (None on the other ranks)."""
+        logits = self.lm_head(hidden).float()
+        if parallel.world_size() == 1:
+            return logits
+        full = parallel.gather_to_first(logits, dim=-1)
+        return None if full is None else full[:, : self.cfg.vocab_size]

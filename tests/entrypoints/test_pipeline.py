@@ -212,7 +212,7 @@ def test_invalid_generation_config_names_the_field(field, value):
         (PytorchEngineConfig, "adapters", {"a": "b"}),
         (PytorchEngineConfig, "dp", 2),
         (PytorchEngineConfig, "device_type", "ascend"),
-        (PytorchEngineConfig, "tp", 2),
+        (PytorchEngineConfig, "attn_tp_size", 2),
         (TurbomindEngineConfig, "rope_scaling_factor", 2.0),
         (TurbomindEngineConfig, "model_format", "gptq"),
         (PytorchEngineConfig, "quant_policy", 3),
