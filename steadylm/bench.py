@@ -34,15 +34,19 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def offline_once(
     engine, num_prompts: int, input_len: int, output_len: int, seed: int = 0
 ) -> dict[str, float]:
+    from steadylm import parallel
     from steadylm.engine.request import SamplingParams
 
     prompts = random_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     preempt0 = engine.stats().num_preemptions
     engine.step_log.clear()
+    comm0 = parallel.comm_seconds()
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
+    comm = {k: v - comm0.get(k, 0.0) for k, v in parallel.comm_seconds().items()}
+    steps = max(1, len(engine.step_log))
     decode = [r for r in engine.step_log if r.num_tokens == r.num_seqs and r.num_seqs]
     step_s = sum(r.seconds for r in decode)
     ttft = [r.first_token_time - r.arrival_time for r in reqs]
@@ -60,6 +64,10 @@ def offline_once(
         "decode_step_ms": 1000 * statistics.median([r.seconds for r in decode]) if decode else 0,
         "non_model_overhead": 1 - sum(r.model_seconds for r in decode) / step_s if step_s else 0,
         "preemptions": engine.stats().num_preemptions - preempt0,
+        # tp > 1, rank 0: ms per step inside the model's all-reduces, and in the broadcast of
+        # the step's call to the workers (0 at tp=1)
+        "allreduce_ms_per_step": 1000 * comm.get("all_reduce", 0.0) / steps,
+        "broadcast_ms_per_step": 1000 * comm.get("broadcast", 0.0) / steps,
     }
 
 

@@ -6,8 +6,8 @@ broadcasts each step's contract to the workers (its timeout is long: a worker wa
 the engine is idle). At tp=1 nothing is initialised and every collective is the identity.
 
 Layers ask `rank()` and `world_size()` while they are built (to size their shards) and call
-`all_reduce` / `gather_to_first` in their forward. Time spent inside collectives is summed in
-`comm_seconds` (benchmarks read it).
+`all_reduce` / `gather_to_first` in their forward. Time spent inside each kind of collective is
+summed (`comm_seconds`; benchmarks read it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,7 @@ class _State:
     world_size: int = 1
     group: object = None  # the data group (all-reduce, gather); None at tp=1
     control: object = None  # the gloo group for control messages
-    comm_seconds: float = 0.0
-    num_collectives: int = 0
+    comm_seconds: dict = field(default_factory=dict)  # collective name -> seconds inside it
 
 
 _state = _State()
@@ -45,6 +44,11 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if under_torchrun() else None
 
 
+def local_ranks(tp: int) -> int:
+    """Ranks of a tp group sharing this machine: torchrun's LOCAL_WORLD_SIZE, else all."""
+    return min(tp, int(os.environ.get("LOCAL_WORLD_SIZE", tp)))
+
+
 def rank() -> int:
     return _state.rank
 
@@ -53,9 +57,9 @@ def world_size() -> int:
     return _state.world_size
 
 
-def comm_stats() -> tuple[float, int]:
-    """(seconds inside collectives, number of collectives) in this process so far."""
-    return _state.comm_seconds, _state.num_collectives
+def comm_seconds() -> dict[str, float]:
+    """Seconds this process has spent inside each kind of collective so far."""
+    return dict(_state.comm_seconds)
 
 
 def init_tensor_parallel(rank_: int, world: int, init_method: str) -> None:
@@ -96,11 +100,10 @@ def shutdown() -> None:
     _state.group = _state.control = None
 
 
-def _timed(fn, *args, **kwargs):
+def _timed(name: str, fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
-    _state.comm_seconds += time.perf_counter() - t0
-    _state.num_collectives += 1
+    _state.comm_seconds[name] = _state.comm_seconds.get(name, 0.0) + time.perf_counter() - t0
     return out
 
 
@@ -108,7 +111,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place."""
     if _state.group is None:
         return x
-    _timed(dist.all_reduce, x, group=_state.group)
+    _timed("all_reduce", dist.all_reduce, x, group=_state.group)
     return x
 
 
@@ -118,12 +121,12 @@ def gather_to_first(x: torch.Tensor, dim: int) -> torch.Tensor | None:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_state.world_size)] if _state.rank == 0 else None
-    _timed(dist.gather, x, parts, dst=0, group=_state.group)
+    _timed("gather", dist.gather, x, parts, dst=0, group=_state.group)
     return torch.cat(parts, dim) if parts is not None else None
 
 
 def broadcast_message(message: object = None) -> object:
     """Rank 0 sends `message` to every rank; each rank returns it."""
     box = [message]
-    _timed(dist.broadcast_object_list, box, src=0, group=_state.control)
+    _timed("broadcast", dist.broadcast_object_list, box, src=0, group=_state.control)
     return box[0]

@@ -238,8 +238,11 @@ class AsyncEngine:
             with self._lock:
                 try:
                     self._deliver(self.engine.abort_all(self.dead_error))
+                except Exception:  # still: every open stream ends with the error below
+                    logger.exception("could not finish the requests cleanly")
                 finally:
-                    for stream in self._streams.values():
+                    for rid, stream in self._streams.items():
+                        stream.put(RequestOutput(rid, [], 0, 0, True, "error", self.dead_error))
                         stream.put(CLOSED)
                     self._streams.clear()
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from steadylm import parallel
@@ -94,7 +95,7 @@ class TPExecutor(Executor):
         self._closing = False
         self._lock = threading.Lock()  # one call on the group at a time
         self._die_lock = threading.Lock()
-        threads = worker.threads_per_rank(self.tp, config)
+        threads = worker.threads_per_rank(self.tp)
         self._tmp = None
         if torchrun:
             world = int(os.environ["WORLD_SIZE"])
@@ -127,7 +128,7 @@ class TPExecutor(Executor):
                 model_dir, model_config, config, plan, init_method, threads
             )
         except BaseException as exc:
-            cause = self._worker_error() or f"{type(exc).__name__}: {exc}"
+            cause = self._root_cause() or f"{type(exc).__name__}: {exc}"
             self._stop_workers()
             parallel.shutdown()
             if isinstance(exc, ModelLoadError) or "worker" in cause:
@@ -162,13 +163,11 @@ class TPExecutor(Executor):
         with self._die_lock:
             if self.dead_error is not None:
                 return EngineDeadError(self.dead_error)
-            worker_cause = self._worker_error() or self._exit_causes()
-            if worker_cause is None and self.procs:  # a dying worker may not be reaped yet
-                try:
-                    self.procs[0].wait(timeout=1.0)
-                except subprocess.TimeoutExpired:
-                    pass
-                worker_cause = self._worker_error() or self._exit_causes()
+            # A dying worker may not be reaped yet when rank 0's collective fails.
+            deadline = time.monotonic() + 1.0
+            while all(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            worker_cause = self._root_cause()
             self.dead_error = "tensor-parallel group failed: " + (worker_cause or cause)
             logger.error("%s", self.dead_error)
             self._stop_workers()
@@ -182,25 +181,29 @@ class TPExecutor(Executor):
     def _error_file(self, rank: int) -> str:
         return os.path.join(self._tmp.name, f"error-{rank}.txt")
 
-    def _worker_error(self) -> str | None:
-        """The first error a worker wrote before exiting."""
-        for rank in range(1, len(self.procs) + 1):
-            try:
-                with open(self._error_file(rank)) as f:
-                    text = f.read().strip()
-            except OSError:
-                continue
-            if text:
-                return f"worker rank {rank} (pid {self.procs[rank - 1].pid}): {text}"
-        return None
-
-    def _exit_causes(self) -> str | None:
+    def _root_cause(self) -> str | None:
+        """Which worker failed first. A worker killed by a signal is a root cause (workers
+        that fail on their own exit with code 1 after writing their error); among written
+        errors the earliest is, since the others are its peers losing their connection."""
         for rank, p in enumerate(self.procs, start=1):
             code = p.poll()
-            if code is None:
+            if code is not None and code < 0:
+                name = signal.Signals(-code).name
+                return f"worker rank {rank} (pid {p.pid}) was killed by {name}"
+        written = []
+        for rank, p in enumerate(self.procs, start=1):
+            path = self._error_file(rank)
+            try:
+                with open(path) as f:
+                    written.append((os.stat(path).st_mtime_ns, rank, p.pid, f.read().strip()))
+            except OSError:
                 continue
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            return f"worker rank {rank} (pid {p.pid}) died ({how})"
+        if written:
+            _, rank, pid, text = min(written)
+            return f"worker rank {rank} (pid {pid}): {text}"
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return f"worker rank {rank} (pid {p.pid}) exited with code {p.poll()}"
         return None
 
     def _watch(self, proc: subprocess.Popen) -> None:
@@ -208,7 +211,7 @@ class TPExecutor(Executor):
         proc.wait()
         if self._closing or self.dead_error is not None:
             return
-        cause = self._worker_error() or self._exit_causes() or "a worker exited"
+        cause = self._root_cause() or "a worker exited"
         # Not under self._lock: a step may be blocked on the dead peer right now; it fails on
         # its own (gloo sees the closed socket) and finds dead_error already set.
         self._die(cause)

@@ -413,7 +413,8 @@ class LLMEngine:
             self._reported[req.request_id] = req.num_output_tokens
             if req.is_finished:
                 self._forget(req)
-        if not self.scheduler.has_unfinished and self.contracts.pending_finished:
+        idle = not self.scheduler.has_unfinished
+        if idle and self.contracts.pending_finished and self.executor.dead_error is None:
             # Idle: no next step will carry these, so tell the runner now.
             self.executor.apply(StepContract(finished_ids=self.contracts.pending_finished))
             self.contracts.pending_finished = []
@@ -541,6 +542,7 @@ def make_plan(
         torch.tensor([], dtype=dtype).element_size(),
         weight_bytes=weight_bytes,
         is_cpu=device.type == "cpu",
+        local_ranks=parallel.local_ranks(config.tp),
     )
     logger.info("%s", plan.table())
     for note in plan.notes:

@@ -38,14 +38,9 @@ class RankReport:
     error: str | None = None
 
 
-def local_ranks(tp: int) -> int:
-    """Ranks sharing this machine: torchrun's LOCAL_WORLD_SIZE, else all of them."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-
-
-def threads_per_rank(tp: int, config: EngineConfig) -> int:
+def threads_per_rank(tp: int) -> int:
     """CPU threads for each rank: the machine's cores shared by its ranks."""
-    return max(1, (os.cpu_count() or 1) // local_ranks(tp))
+    return max(1, (os.cpu_count() or 1) // parallel.local_ranks(tp))
 
 
 def _device(config: EngineConfig, rank: int) -> torch.device:
@@ -167,7 +162,7 @@ def serve_torchrun() -> int:
     """A torchrun rank other than 0: a worker of rank 0's engine (RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT come from torchrun)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    serve(rank, world, "env://", None, max(1, (os.cpu_count() or 1) // local_ranks(world)))
+    serve(rank, world, "env://", None, threads_per_rank(world))
     return 0
 
 

@@ -230,3 +230,46 @@ def test_shutdown_removes_the_rendezvous_store(model_dirs):
     assert os.path.isdir(store)
     engine.shutdown()
     assert not os.path.exists(store)
+
+
+def test_sampler_fault_at_tp2_fails_only_its_request(model_dirs):
+    """A fault after the forward (rank 0's sampler) leaves the group in step: it is retried
+    request by request, as at tp=1, and the others get their exact tokens."""
+    from tests.engine.test_faults import POISON_TOP_K, poison_sampler, run_all
+
+    hf, path = model_dirs("llama")
+    bad = SamplingParams(max_new_tokens=8, top_k=POISON_TOP_K, temperature=0.7, seed=1)
+    engine = tp_engine(path)
+    try:
+        poison_sampler(engine)
+        outs = run_all(engine, PROMPTS, [GREEDY, bad, GREEDY])
+        healthy = engine.healthy
+    finally:
+        engine.shutdown()
+    assert outs[1][0].finish_reason == "error" and "poisoned" in outs[1][0].error
+    for i in (0, 2):
+        assert outs[i][1] == hf_greedy(hf, PROMPTS[i], 24)
+    assert healthy
+
+
+def test_forward_fault_on_rank0_is_fatal_and_clean(model_dirs):
+    """A fault inside the forward leaves the workers waiting in a collective: the group is
+    declared dead at once, the worker is stopped, and later calls raise EngineDeadError."""
+    from steadylm.errors import EngineDeadError
+    from tests.engine.test_faults import FaultyForward
+
+    _, path = model_dirs("llama")
+    engine = tp_engine(path)
+    model = engine.runner.model
+    model.forward = FaultyForward(model, always_from=3)  # after one 2-token request
+    try:
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+        engine.add_request(PROMPTS[1], GREEDY)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            engine.step()
+        assert not engine.healthy
+        assert all(p.poll() is not None for p in engine.executor.procs)
+        with pytest.raises(EngineDeadError):
+            engine.step()
+    finally:
+        engine.shutdown()
