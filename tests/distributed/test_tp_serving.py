@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import STORIES, needs_shared
-from tests.entrypoints.test_server import free_port, start_server, wait_healthy
+from tests.entrypoints.test_server import free_port, start_server
 
 pytestmark = needs_shared
 MODEL = "stories260K"
@@ -159,34 +158,11 @@ def test_torchrun_launch_serves():
         want = completions(base1)
     finally:
         stop(one)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "steadylm.entrypoints.cli",
-        "--log-level",
-        "WARNING",
-        "serve",
-        str(STORIES),
-        "--server-port",
-        str(port),
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "512",
-        "--tp",
-        "2",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
+    proc, base = start_server(
+        "--tp", "2", launcher=(*launcher, "--master-port", str(free_port())), timeout=120
+    )
     try:
-        wait_healthy(base, proc, timeout=120)
         assert completions(base) == want
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -43,10 +43,15 @@ def wait_healthy(base: str, proc: subprocess.Popen | None = None, timeout: float
     raise TimeoutError("server did not become healthy")
 
 
-def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(
+    *extra: str, launcher: tuple[str, ...] = (), timeout: float = 60.0
+) -> tuple[subprocess.Popen, str]:
+    """`steadylm serve` on stories260K at a free port; `launcher`: python arguments before
+    `-m steadylm.entrypoints.cli` (e.g. `-m torch.distributed.run ...`)."""
     port = free_port()
     cmd = [
         sys.executable,
+        *launcher,
         "-m",
         "steadylm.entrypoints.cli",
         "--log-level",
@@ -63,7 +68,7 @@ def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    wait_healthy(base, proc)
+    wait_healthy(base, proc, timeout)
     return proc, base
 
 
