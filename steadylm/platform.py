@@ -122,6 +122,11 @@ def cpu_gemm() -> str:
     return _choice("STEADYLM_CPU_GEMM", ("onednn", "torch"))
 
 
+def cpu_allreduce() -> str:
+    """'shm': tp ranks on one CPU machine all-reduce through shared memory; 'gloo': always gloo."""
+    return _choice("STEADYLM_CPU_ALLREDUCE", ("shm", "gloo"))
+
+
 def cpu_kernels() -> str:
     """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
     return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))

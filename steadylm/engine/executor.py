@@ -92,7 +92,8 @@ class TPExecutor(Executor):
         self.tp = config.tp
         self.procs: list[subprocess.Popen] = []
         self.on_dead: list[Callable[[str], None]] = []
-        self._closing = False
+        self._closing = False  # workers being stopped: their deaths are expected
+        self._shut = False
         self._lock = threading.Lock()  # one call on the group at a time
         self._die_lock = threading.Lock()
         threads = worker.threads_per_rank(self.tp)
@@ -169,6 +170,7 @@ class TPExecutor(Executor):
                 time.sleep(0.02)
             worker_cause = self._root_cause()
             self.dead_error = "tensor-parallel group failed: " + (worker_cause or cause)
+            parallel.abort(self.dead_error)  # a step waiting in shared memory stops waiting
             logger.error("%s", self.dead_error)
             self._stop_workers()
             for listener in list(self.on_dead):
@@ -218,10 +220,11 @@ class TPExecutor(Executor):
 
     # ---- shutdown -----------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self._closing:
+        if self._shut:
             return
-        self._closing = True
-        if self.dead_error is None:
+        self._shut = True
+        stopping, self._closing = self._closing, True  # from here, worker exits are expected
+        if self.dead_error is None and not stopping:
             try:
                 with self._lock:
                     parallel.broadcast_message(("shutdown", ()))

@@ -43,6 +43,11 @@ def threads_per_rank(tp: int) -> int:
     return max(1, (os.cpu_count() or 1) // parallel.local_ranks(tp))
 
 
+def _same_host(tp: int) -> bool:
+    """Every rank on this machine (spawned workers, or a one-node torchrun)."""
+    return parallel.local_ranks(tp) == tp
+
+
 def _device(config: EngineConfig, rank: int) -> torch.device:
     device = platform.resolve_device(config.device)
     if device.type == "cuda":
@@ -85,7 +90,7 @@ def start_rank0(
         torch.set_num_threads(threads)
     parallel.init_tensor_parallel(0, config.tp, init_method)
     parallel.broadcast_message((model_dir, mc, config, plan))
-    parallel.init_data_group(device, config.dist_timeout_s)
+    parallel.init_data_group(device, config.dist_timeout_s, _same_host(config.tp))
     try:
         runner, mine = _build(model_dir, mc, config, plan, 0)
     except Exception as exc:
@@ -116,7 +121,7 @@ def serve(rank: int, world: int, init_method: str, error_file: str | None, threa
         torch.set_num_threads(threads)
         parallel.init_tensor_parallel(rank, world, init_method)
         model_dir, mc, config, plan = parallel.broadcast_message()
-        parallel.init_data_group(_device(config, rank), config.dist_timeout_s)
+        parallel.init_data_group(_device(config, rank), config.dist_timeout_s, _same_host(world))
         try:
             runner, report = _build(model_dir, mc, config, plan, rank)
         except Exception as exc:
