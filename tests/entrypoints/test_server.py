@@ -512,7 +512,7 @@ def test_api_keys():
 
 
 @contextlib.contextmanager
-def inproc_server(**state_kw):
+def inproc_server(engine_kw: dict | None = None, **state_kw):
     """A real uvicorn on a real socket, in this process, so a test can reach the engine."""
     import uvicorn
 
@@ -521,7 +521,8 @@ def inproc_server(**state_kw):
     from steadylm.entrypoints.server.app import ServerState, build_app
     from steadylm.tokenizer import load_tokenizer
 
-    engine = LLMEngine.from_pretrained(str(STORIES), EngineConfig(num_gpu_blocks=64, block_size=16))
+    config = EngineConfig(num_gpu_blocks=64, block_size=16, **(engine_kw or {}))
+    engine = LLMEngine.from_pretrained(str(STORIES), config)
     state = ServerState(engine, load_tokenizer(str(STORIES)), MODEL, **state_kw)
     port = free_port()
     srv = uvicorn.Server(

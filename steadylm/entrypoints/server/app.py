@@ -29,7 +29,9 @@ from steadylm.entrypoints.server.metrics import Metrics
 from steadylm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     error_body,
 )
 from steadylm.errors import ConfigError, EngineDeadError, RequestError, SteadyLMError
@@ -197,6 +199,44 @@ def build_app(state: ServerState) -> FastAPI:
             body.chat_template_kwargs,
         )
         return await _serve(state, request, body, [ids], chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: the ids a completion or chat request would feed the model."""
+        body = await _parse_body(request, TokenizeRequest, state)
+        if body.model is not None:
+            _check_model(state, body.model)
+        if body.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await _encode(
+                state.encoder.encode_messages,
+                msgs,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.chat_template_kwargs,
+            )
+        else:
+            ids = await _encode(state.encoder.encode_text, body.prompt, body.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": state.engine.session_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse_body(request, DetokenizeRequest, state)
+        if body.model is not None:
+            _check_model(state, body.model)
+        vocab = state.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"tokens must be in [0, {vocab}); got {bad[:5]}",
+                "invalid_request_error",
+                "tokens",
+            )
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     return app
 
@@ -442,6 +482,7 @@ class _Run:
         self.index: dict[str, int] = {}
         self.procs: dict[int, OutputProcessor] = {}
         self.prompt_lens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}  # choice -> prompt tokens served by the prefix cache
         self.open: set[str] = set()
 
     async def start(self, jobs: list[tuple[int, list[int]]]) -> None:
@@ -498,6 +539,7 @@ class _Run:
                     self.open.discard(rid)
                     continue
                 i = self.index[rid]
+                self.cached[i] = max(self.cached.get(i, 0), item.num_cached_tokens)
                 d = self.procs[i].feed(item)
                 if d.stop_string_hit:  # the STOPPED final output follows
                     self.state.async_engine.abort_nowait(rid, RequestStatus.FINISHED_STOPPED)
@@ -519,6 +561,8 @@ class _Run:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # prompt tokens whose KV came from the prefix cache (OpenAI's field)
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
         }
 
     async def collect(self):

@@ -221,5 +221,32 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for `prompt`; the chat template decides for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
