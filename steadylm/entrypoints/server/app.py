@@ -190,14 +190,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body = await _parse_body(request, ChatCompletionRequest, state)
         _check_request(state, body, 1)
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await _encode(
-            state.encoder.encode_messages,
-            msgs,
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-        )
+        ids = await _encode_chat(state, body)
         return await _serve(state, request, body, [ids], chat=True)
 
     @app.post("/tokenize")
@@ -207,14 +200,7 @@ def build_app(state: ServerState) -> FastAPI:
         if body.model is not None:
             _check_model(state, body.model)
         if body.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await _encode(
-                state.encoder.encode_messages,
-                msgs,
-                body.add_generation_prompt,
-                body.continue_final_message,
-                body.chat_template_kwargs,
-            )
+            ids = await _encode_chat(state, body)
         else:
             ids = await _encode(state.encoder.encode_text, body.prompt, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": state.engine.session_len, "tokens": ids}
@@ -322,6 +308,18 @@ async def _encode(fn, *args):
         return await asyncio.to_thread(fn, *args)
     except SteadyLMError as exc:
         raise APIError(400, exc.message, "invalid_request_error", exc.param) from None
+
+
+async def _encode_chat(state: ServerState, body) -> list[int]:
+    """The prompt ids of a body with chat `messages` (a chat request, or /tokenize's)."""
+    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return await _encode(
+        state.encoder.encode_messages,
+        msgs,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
 
 
 def _check_request(state: ServerState, body, num_prompts: int) -> None:
