@@ -96,7 +96,8 @@ def init_data_group(device: torch.device, timeout_s: float, same_host: bool) -> 
         and platform.cpu_allreduce() == "shm"
     )
     if use_shm:
-        _state.shm = ShmAllReduce(_state.rank, _state.world_size, timeout_s)
+        shm = ShmAllReduce(_state.rank, _state.world_size, timeout_s)
+        _state.shm = shm if shm.slot_bytes else None  # /dev/shm too small: gloo
 
 
 def abort(reason: str) -> None:
@@ -164,6 +165,18 @@ def broadcast_message(message: object = None) -> object:
 SHM_SLOT_BYTES = 16 << 20  # larger all-reduces (long prefill chunks) go through gloo
 
 
+def _slot_bytes(world: int) -> int:
+    """Slot size that fits /dev/shm's free space (a container's is often 64 MiB): at most
+    SHM_SLOT_BYTES, 0 (use gloo) below 256 KiB."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    fit = (st.f_bavail * st.f_frsize // 2 - 8 * world) // (2 * world)  # half of what is free
+    slot = min(SHM_SLOT_BYTES, fit) // 4096 * 4096
+    return slot if slot >= 256 << 10 else 0
+
+
 class ShmAllReduce:
     """All-reduce through one shared-memory segment: each rank copies its tensor into its slot,
     publishes the call's sequence number in its flag, waits until every flag has it, then sums
@@ -176,19 +189,24 @@ class ShmAllReduce:
 
     def __init__(self, rank_: int, world: int, timeout_s: float) -> None:
         self.rank, self.world, self.timeout_s = rank_, world, timeout_s
-        self.slot_bytes = SHM_SLOT_BYTES
-        nbytes = 2 * world * SHM_SLOT_BYTES + 8 * world
-        path = f"/dev/shm/steadylm-allreduce-{uuid.uuid4().hex}" if rank_ == 0 else None
+        path, slot = None, 0
         if rank_ == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-        path = broadcast_message(path)
+            slot = _slot_bytes(world)
+            if slot:
+                path = f"/dev/shm/steadylm-allreduce-{uuid.uuid4().hex}"
+                with open(path, "wb") as f:
+                    f.truncate(2 * world * slot + 8 * world)
+        path, slot = broadcast_message((path, slot))  # rank 0 decides for every rank
+        self.slot_bytes = slot
+        if not slot:
+            return
+        nbytes = 2 * world * slot + 8 * world
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         dist.barrier(group=_state.control)  # every rank has mapped it
         if rank_ == 0:
             os.unlink(path)
-        self.slots = raw[: 2 * world * SHM_SLOT_BYTES].view(2, world, SHM_SLOT_BYTES)
-        self.flags = raw[2 * world * SHM_SLOT_BYTES :].view(torch.int64)
+        self.slots = raw[: 2 * world * slot].view(2, world, slot)
+        self.flags = raw[2 * world * slot :].view(torch.int64)
         self.seq = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
