@@ -80,3 +80,39 @@ def test_usage_reports_prefix_cache_hits(base):
     cached = second["prompt_tokens_details"]["cached_tokens"]
     # whole 16-token blocks of the prompt, never the last prompt token (it must be computed)
     assert cached == (second["prompt_tokens"] - 1) // 16 * 16 and cached > 0
+
+
+def test_completion_text_offset_and_chat_bytes(base):
+    """Completion logprobs carry each token's character offset in the text, the same whether
+    streamed or not; chat logprobs carry each token's UTF-8 bytes."""
+    import json
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 1}, timeout=60).json()
+    lp = whole["choices"][0]["logprobs"]
+    lengths = [len(t) for t in lp["tokens"]]
+    assert lp["text_offset"] == [sum(lengths[:k]) for k in range(len(lengths))]
+    assert "".join(lp["tokens"]) == whole["choices"][0]["text"]
+    streamed = []
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json={**body, "logprobs": 1, "stream": True}
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])["choices"][0]["logprobs"]
+                streamed += chunk["text_offset"] if chunk else []
+    assert streamed == lp["text_offset"]
+    chat = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Lily"}],
+            "max_tokens": 8,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        timeout=60,
+    ).json()
+    for c in chat["choices"][0]["logprobs"]["content"]:
+        assert bytes(c["bytes"]).decode("utf-8") == c["token"]
+        assert all(bytes(t["bytes"]).decode("utf-8") == t["token"] for t in c["top_logprobs"])

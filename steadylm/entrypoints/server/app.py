@@ -39,6 +39,7 @@ from steadylm.output import OutputProcessor, timing
 from steadylm.tokenizer import PromptEncoder
 
 logger = logging.getLogger("steadylm.server")
+LOGPROB_CONTEXT_TOKENS = 6  # tokens before one that its text is decoded after
 
 
 class APIError(Exception):
@@ -481,6 +482,8 @@ class _Run:
         self.procs: dict[int, OutputProcessor] = {}
         self.prompt_lens: dict[int, int] = {}
         self.cached: dict[int, int] = {}  # choice -> prompt tokens served by the prefix cache
+        self.text_offset: dict[int, int] = {}  # choice -> characters of logprob tokens so far
+        self.lp_history: dict[int, list[int]] = {}  # choice -> its last tokens (for their text)
         self.open: set[str] = set()
 
     async def start(self, jobs: list[tuple[int, list[int]]]) -> None:
@@ -508,6 +511,7 @@ class _Run:
             self.index[stream.request_id] = i
             self.open.add(stream.request_id)
             self.prompt_lens[i] = len(ids)
+            self.lp_history[i] = list(ids[-LOGPROB_CONTEXT_TOKENS:])  # the first token's context
             self.procs[i] = OutputProcessor(
                 self.state.tokenizer,
                 ids,
@@ -589,7 +593,7 @@ class _Run:
         }
 
     def _choice(self, i: int, text: str, reason: str | None, lps: list) -> dict:
-        logprobs = self._logprobs(lps) if self._wants_logprobs() else None
+        logprobs = self._logprobs(i, lps) if self._wants_logprobs() else None
         if self.chat:
             return {
                 "index": i,
@@ -602,32 +606,49 @@ class _Run:
     def _wants_logprobs(self) -> bool:
         return bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
 
-    def _logprobs(self, pairs: list) -> dict:
-        """pairs: (chosen token, {token: logprob}) with the chosen token and the top-k."""
+    def _logprobs(self, i: int, pairs: list) -> dict:
+        """Choice `i`'s logprobs in OpenAI's shape. pairs: (chosen token, {token: logprob})
+        with the chosen token and the top-k. A token's text is what it adds after the tokens
+        before it (so SentencePiece's leading spaces stay, and the texts join to the choice's
+        text); chat entries carry its UTF-8 `bytes`, completion logprobs its `text_offset`
+        in the choice's text, continuing across the chunks of a stream (as vLLM does)."""
         tok = self.state.tokenizer
+        history = self.lp_history.setdefault(i, [])
 
         def top(lp: dict, n: int | None) -> list[tuple[int, float]]:
             return sorted(lp.items(), key=lambda kv: -kv[1])[: n or 0]
 
+        rows = []  # (chosen text, logprob, [(alternative text, logprob)])
+        for t, lp in pairs:
+            ctx = history[-LOGPROB_CONTEXT_TOKENS:]
+            base = tok.decode(ctx)
+
+            def text(k: int, ctx=ctx, base=base) -> str:
+                return tok.decode([*ctx, k])[len(base) :]
+
+            n = self.body.top_logprobs if self.chat else self.body.logprobs
+            rows.append((text(t), lp.get(t, 0.0), [(text(k), v) for k, v in top(lp, n)]))
+            history.append(t)
+        del history[:-LOGPROB_CONTEXT_TOKENS]
+
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
         if self.chat:
             content = [
-                {
-                    "token": tok.decode([t]),
-                    "logprob": lp.get(t, 0.0),
-                    "top_logprobs": [
-                        {"token": tok.decode([k]), "logprob": v}
-                        for k, v in top(lp, self.body.top_logprobs)
-                    ],
-                }
-                for t, lp in pairs
+                {**entry(t, v), "top_logprobs": [entry(k, w) for k, w in alts]}
+                for t, v, alts in rows
             ]
             return {"content": content}
+        offsets = []
+        for t, _, _ in rows:
+            offsets.append(self.text_offset.get(i, 0))
+            self.text_offset[i] = offsets[-1] + len(t)
         return {
-            "tokens": [tok.decode([t]) for t, _ in pairs],
-            "token_logprobs": [lp.get(t, 0.0) for t, lp in pairs],
-            "top_logprobs": [
-                {tok.decode([k]): v for k, v in top(lp, self.body.logprobs)} for _, lp in pairs
-            ],
+            "tokens": [t for t, _, _ in rows],
+            "token_logprobs": [v for _, v, _ in rows],
+            "top_logprobs": [dict(alts) for _, _, alts in rows],
+            "text_offset": offsets,
         }
 
     async def sse(self) -> AsyncIterator[str]:
@@ -660,7 +681,7 @@ class _Run:
             if not d.text and not d.finished:
                 continue
             lps = (
-                self._logprobs(list(zip(d.token_ids, d.logprobs)))
+                self._logprobs(i, list(zip(d.token_ids, d.logprobs)))
                 if self._wants_logprobs()
                 else None
             )
