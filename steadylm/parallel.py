@@ -195,12 +195,12 @@ class ShmAllReduce:
             if slot:
                 path = f"/dev/shm/steadylm-allreduce-{uuid.uuid4().hex}"
                 with open(path, "wb") as f:
-                    f.truncate(2 * world * slot + 8 * world)
+                    f.truncate(self._segment_bytes(world, slot))
         path, slot = broadcast_message((path, slot))  # rank 0 decides for every rank
         self.slot_bytes = slot
         if not slot:
             return
-        nbytes = 2 * world * slot + 8 * world
+        nbytes = self._segment_bytes(world, slot)
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         dist.barrier(group=_state.control)  # every rank has mapped it
         if rank_ == 0:
@@ -208,6 +208,11 @@ class ShmAllReduce:
         self.slots = raw[: 2 * world * slot].view(2, world, slot)
         self.flags = raw[2 * world * slot :].view(torch.int64)
         self.seq = 0
+
+    @staticmethod
+    def _segment_bytes(world: int, slot: int) -> int:
+        """Two sets of `world` slots, then one int64 flag per rank."""
+        return 2 * world * slot + 8 * world
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.seq += 1

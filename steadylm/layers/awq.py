@@ -29,7 +29,7 @@ from torch import nn
 from steadylm import parallel
 from steadylm.errors import ModelLoadError
 from steadylm.layers.linear import LinearKernel
-from steadylm.layers.shard import Split, materialize
+from steadylm.layers.shard import Split, check_shape, materialize
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -225,17 +225,11 @@ class AWQLinear(nn.Module):
         out_dim = 0 if in_pack is None else 1
 
         def load(param, loaded, shard_id=None):
-            if (shard_id is None) != (len(self.split.out) == 1):
-                raise ModelLoadError(f"shard {shard_id!r} does not match this layer's shards")
-            i = shard_id or 0
-            cols = self.split.out[i]
+            i, cols = self.split.out_shard(shard_id)
             expected = [cols.full // out_pack]
             if in_pack is not None:
                 expected.insert(0, self.full_in_features // in_pack)
-            if list(loaded.shape) != expected:
-                raise ModelLoadError(
-                    f"shape mismatch: expected {tuple(expected)}, got {tuple(loaded.shape)}"
-                )
+            check_shape(loaded, expected)
             if in_pack is not None and self.split.inp is not None:
                 inp = self.split.inp
                 loaded = loaded.narrow(0, inp.start // in_pack, inp.size // in_pack)

@@ -21,18 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from steadylm import kernels, parallel, platform
-from steadylm.errors import ModelLoadError
-from steadylm.layers.shard import Split, materialize
+from steadylm.layers.shard import Split, check_shape, copy_rows, materialize
 
 logger = logging.getLogger(__name__)
 
 
 def default_weight_loader(param: nn.Parameter, loaded, shard_id: object = None) -> None:
     """A parameter every rank holds whole (norms)."""
-    if param.shape != loaded.shape:
-        raise ModelLoadError(
-            f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
-        )
+    check_shape(loaded, param.shape)
     param.data.copy_(materialize(loaded))
 
 
@@ -144,19 +140,11 @@ class Linear(nn.Module):
     def _load(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
         """Copy this rank's part of checkpoint tensor `loaded` (output shard `shard_id` of a
         merged layer) into `param`, reading nothing else."""
-        if (shard_id is None) != (len(self.split.out) == 1):
-            raise ModelLoadError(f"shard {shard_id!r} does not match this layer's shards")
-        i = shard_id or 0
-        rows = self.split.out[i]
-        expected = (rows.full, self.full_in_features)[: param.dim()]
-        if tuple(loaded.shape) != expected:
-            raise ModelLoadError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+        i, rows = self.split.out_shard(shard_id)
+        check_shape(loaded, (rows.full, self.full_in_features)[: param.dim()])
         if param.dim() == 2 and self.split.inp is not None:
             loaded = loaded.narrow(1, self.split.inp.start, self.split.inp.size)
-        target = param.data.narrow(0, self.offsets[i], rows.size)
-        if rows.real < rows.size:  # vocab padding past the checkpoint's last row
-            target.zero_()
-        target.narrow(0, 0, rows.real).copy_(materialize(loaded.narrow(0, rows.start, rows.real)))
+        copy_rows(param.data.narrow(0, self.offsets[i], rows.size), loaded, rows)
 
     def process_weights_after_loading(self) -> None:
         if self.shared_weight or not OneDNNDenseKernel.supports(self.weight):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from steadylm import parallel
+from steadylm.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,14 @@ class Split:
     @property
     def out_features(self) -> int:
         return sum(s.size for s in self.out)
+
+    def out_shard(self, shard_id: object) -> tuple[int, Shard]:
+        """(index, rows) of the checkpoint output shard a loader was handed: `shard_id` of a
+        merged layer, None for a single one."""
+        if (shard_id is None) != (len(self.out) == 1):
+            raise ModelLoadError(f"shard {shard_id!r} does not match this layer's shards")
+        i = shard_id or 0
+        return i, self.out[i]
 
     @staticmethod
     def whole(output_sizes: list[int]) -> Split:
@@ -89,3 +98,19 @@ class CheckpointTensor:
 
 def materialize(t) -> torch.Tensor:
     return t.materialize() if isinstance(t, CheckpointTensor) else t
+
+
+def check_shape(loaded, expected) -> None:
+    """The checkpoint tensor has the shape the layer expects of the whole tensor."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ModelLoadError(
+            f"shape mismatch: expected {tuple(expected)}, got {tuple(loaded.shape)}"
+        )
+
+
+def copy_rows(target: torch.Tensor, loaded, rows: Shard) -> None:
+    """Copy checkpoint rows `rows` of `loaded` into `target` (rows.size rows), zeroing the
+    padding rows past the checkpoint's end (a vocab block)."""
+    if rows.real < rows.size:
+        target.zero_()
+    target.narrow(0, 0, rows.real).copy_(materialize(loaded.narrow(0, rows.start, rows.real)))

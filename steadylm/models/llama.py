@@ -9,11 +9,10 @@ from torch import nn
 from steadylm import kernels, parallel
 from steadylm.attention import AttentionBackend, AttentionMetadata, KVCache
 from steadylm.config import ModelConfig
-from steadylm.errors import ModelLoadError
 from steadylm.layers.linear import Linear, make_linear
 from steadylm.layers.norm import RMSNorm
 from steadylm.layers.rotary import RotaryEmbedding, rotate
-from steadylm.layers.shard import Shard, Split, materialize
+from steadylm.layers.shard import Shard, Split, check_shape, copy_rows
 from steadylm.memory import tp_shape
 from steadylm.models.registry import register
 
@@ -112,14 +111,8 @@ class Embedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
-        rows = self.rows
-        expected = (rows.full, param.shape[1])
-        if tuple(loaded.shape) != expected:
-            raise ModelLoadError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
-        if rows.real < rows.size:
-            param.data.zero_()
-        part = materialize(loaded.narrow(0, rows.start, rows.real))
-        param.data.narrow(0, 0, rows.real).copy_(part)
+        check_shape(loaded, (self.rows.full, param.shape[1]))
+        copy_rows(param.data, loaded, self.rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if parallel.world_size() == 1:

@@ -60,8 +60,13 @@ def completions(base: str) -> list[str]:
 
 
 def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM; the exit code, or a failure with the output if it does not exit in 60 s."""
     proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=60)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{proc.args} did not exit after SIGTERM:\n" + proc.stdout.read())
 
 
 def test_serve_tp2_answers_as_tp1():
@@ -165,9 +170,4 @@ def test_torchrun_launch_serves():
     try:
         assert completions(base) == want
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("torchrun did not exit after SIGTERM:\n" + proc.stdout.read())
+        stop(proc)
