@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from steadylm.config import EngineConfig
 from steadylm.engine.request import SamplingParams
+from steadylm.engine.structured import from_response_format
 from steadylm.errors import ConfigError, RequestError
 
 logger = logging.getLogger("steadylm")
@@ -102,7 +103,6 @@ class GenerationConfig:
 
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "logprob_start_len": (REJECTED, "prompt-token logprobs are not returned yet"),
-        "response_format": (REJECTED, "structured output is not supported yet"),
         "logits_processors": (REJECTED, "custom logits processors are not supported"),
         "output_logits": (REJECTED, "logits are not returned; use logprobs"),
         "output_last_hidden_state": (REJECTED, "hidden states are not returned"),
@@ -180,6 +180,7 @@ class GenerationConfig:
             "random_seed",
             f"random_seed={self.random_seed!r} must be an int",
         )
+        from_response_format(self.response_format)  # a malformed one names its field now
         for name in ("stop_words", "bad_words"):
             words = getattr(self, name)
             _need(
@@ -254,6 +255,7 @@ class GenerationConfig:
             ignore_eos=self.ignore_eos,
             min_new_tokens=self.min_new_tokens or 0,
             logprobs=self.logprobs,
+            structured_outputs=from_response_format(self.response_format),
         )
 
 

@@ -79,10 +79,12 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the chat template. `continue_final_message`
         leaves the last (assistant) message open for the model to continue; `template_kwargs`
-        reach the template as variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
+        reach the template as variables (vLLM's chat_template_kwargs, e.g. enable_thinking);
+        `tools` (OpenAI's function definitions) reach it as `tools`."""
         _check_messages(messages)
         if self.formatter is not None:
             try:
@@ -105,6 +107,8 @@ class PromptEncoder:
             template = PLAIN_TEMPLATE
         try:
             extra = dict(template_kwargs or {})
+            if tools:
+                extra["tools"] = tools
             if continue_final_message:
                 extra["continue_final_message"] = True
             text = self.tokenizer.apply_chat_template(

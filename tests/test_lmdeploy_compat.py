@@ -49,6 +49,7 @@ WORKING_SAMPLES = {
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
         logprobs=2,
+        response_format={"type": "json_object"},
         include_stop_str_in_output=True,
     ),
     "PytorchEngineConfig": dict(

@@ -79,6 +79,11 @@ WORKS = {
     "--device": (["--device", "cuda"], _ec(device="cuda")),
     "--dtype": (["--dtype", "bfloat16"], _ec(dtype="bfloat16")),
     "--tp": (["--tp", "1"], _ec(tp=1)),
+    "--tool-call-parser": (["--tool-call-parser", "qwen"], _ns(tool_call_parser="qwen")),
+    "--reasoning-parser": (
+        ["--reasoning-parser", "deepseek-r1"],
+        _ns(reasoning_parser="deepseek-r1"),
+    ),
     "--session-len": (["--session-len", "128"], _ec(session_len=128)),
     "--max-batch-size": (["--max-batch-size", "4"], _ec(max_batch_size=4)),
     "--cache-max-entry-count": (["--cache-max-entry-count", "0.5"], _ec(cache_max_entry_count=0.5)),
@@ -122,8 +127,6 @@ NO_EFFECT = {
 REFUSED = {
     "--proxy-url": (["--proxy-url", "http://p:8000"], "proxy", None),
     "--enable-abort-handling": (["--enable-abort-handling"], "/abort_request", None),
-    "--tool-call-parser": (["--tool-call-parser", "qwen"], "not supported", None),
-    "--reasoning-parser": (["--reasoning-parser", "deepseek-r1"], "not supported", None),
     "--adapters": (["--adapters", "a=/lora"], "LoRA", None),
     "--empty-init": (["--empty-init"], "loads the weights", None),
     "--logprobs-mode": (["--logprobs-mode", "raw_logits"], "raw", None),

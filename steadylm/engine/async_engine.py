@@ -101,6 +101,7 @@ class AsyncEngine:
         sink: queue.Queue | None = None,
     ) -> RequestStream:
         """Raise RequestError for a request that can never run; otherwise return its stream."""
+        self._precompile([params])
         with self._wake:
             self._check_alive()
             rid = self.engine.add_request(prompt, params, request_id)
@@ -119,6 +120,7 @@ class AsyncEngine:
         with many choices never waits a step per choice). All or none: if one raises, the ones
         already added are aborted before the error propagates."""
         streams: list[RequestStream] = []
+        self._precompile([params for _, params in jobs])
         with self._wake:
             self._check_alive()
             try:
@@ -133,6 +135,13 @@ class AsyncEngine:
                 raise
             self._wake.notify()
         return streams
+
+    def _precompile(self, params: list[SamplingParams]) -> None:
+        """Compile (and cache) structured-output grammars outside the lock, so steps go on
+        meanwhile; an invalid one raises RequestError here."""
+        for p in params:
+            if p.structured_outputs is not None:
+                self.engine.structured.compile(p.structured_outputs)
 
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED

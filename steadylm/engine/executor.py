@@ -19,6 +19,7 @@ the forward (in the sampler) is an ordinary step fault, retried request by reque
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import signal
@@ -147,7 +148,7 @@ class TPExecutor(Executor):
             if self.dead_error is not None:
                 raise EngineDeadError(self.dead_error)
             try:
-                parallel.broadcast_message((method, args))
+                parallel.broadcast_message((method, _for_workers(args)))
             except Exception as exc:
                 raise self._die(f"{type(exc).__name__}: {exc}") from None
             try:
@@ -250,3 +251,14 @@ class TPExecutor(Executor):
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.error("tensor-parallel worker pid %d did not exit after SIGKILL", p.pid)
+
+
+def _for_workers(args: tuple) -> tuple:
+    """A call's arguments as the other ranks need them: only rank 0 samples, so a contract's
+    token bitmask stays here."""
+    return tuple(
+        dataclasses.replace(a, token_bitmask={})
+        if isinstance(a, StepContract) and a.token_bitmask
+        else a
+        for a in args
+    )

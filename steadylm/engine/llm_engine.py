@@ -26,6 +26,7 @@ from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from steadylm.engine.scheduler import Scheduler, SchedulerOutput
 from steadylm.engine.step import ContractBuilder, StepContract
+from steadylm.engine.structured import StructuredOutputManager
 from steadylm.errors import ConfigError, EngineDeadError, RequestError
 from steadylm.memory import MemoryPlan, plan_memory
 
@@ -103,6 +104,10 @@ class LLMEngine:
             self.block_manager, config.max_batch_size, plan.max_prefill_token_num
         )
         self.contracts = ContractBuilder()  # what the runner has been told, request by request
+        self.structured = StructuredOutputManager(
+            tokenizer, model_config.vocab_size, model_config.eos_token_ids
+        )
+        self.bitmask_seconds = 0.0  # filling structured-output bitmasks (benchmarks read it)
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, int] = {}
         self._ids = itertools.count()
@@ -216,12 +221,14 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is not allowed", param="request_id")
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        constraint = self.structured.constraint(params, ids, params.stop_token_ids)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_total_tokens=min(len(ids) + params.max_new_tokens, self.session_len),
+            constraint=constraint,
         )
         self.requests[request_id] = req
         self._reported[request_id] = 0
@@ -295,6 +302,7 @@ class LLMEngine:
         else:
             self.consecutive_faults = 0
         self.num_generated_tokens += len(sampled)
+        self._collect_prompt_logprobs(out, sampled)
         used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
         self.step_log.append(
@@ -318,7 +326,36 @@ class LLMEngine:
             out.preempted,
             self.block_manager.block_table,
         )
+        contract.token_bitmask = self._token_bitmask(out)
         return self.executor.execute(contract)
+
+    def _collect_prompt_logprobs(self, out: SchedulerOutput, sampled: dict) -> None:
+        """Requests that asked for prompt logprobs get them when their prompt is computed
+        (the step that samples their first token)."""
+        for s in out.scheduled:
+            req = s.request
+            if (
+                req.params.prompt_logprobs is not None
+                and req.prompt_logprobs is None
+                and req.request_id in sampled
+            ):
+                req.prompt_logprobs = self.runner.take_prompt_logprobs(req.request_id)
+
+    def _token_bitmask(self, out: SchedulerOutput) -> dict:
+        """The allowed-token rows of the requests that sample this step under a constraint."""
+        constrained = [
+            s.request
+            for s in out.scheduled
+            if s.request.constraint is not None
+            and s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+            and s.request.constraint.mode() is not None
+        ]
+        if not constrained:
+            return {}
+        t0 = time.perf_counter()
+        rows = self.structured.fill([r.constraint for r in constrained])
+        self.bitmask_seconds += time.perf_counter() - t0
+        return {r.request_id: row for r, row in zip(constrained, rows)}
 
     def _isolate_fault(
         self, out: SchedulerOutput, exc: Exception
@@ -393,6 +430,7 @@ class LLMEngine:
             new = req.output_token_ids[done:]
             if not new and not req.is_finished:
                 continue
+            first = done == 0 and bool(new)
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
@@ -408,6 +446,7 @@ class LLMEngine:
                     arrival_time=req.arrival_time,
                     first_token_time=req.first_token_time,
                     finish_time=req.finish_time,
+                    prompt_logprobs=req.prompt_logprobs if first else None,
                 )
             )
             self._reported[req.request_id] = req.num_output_tokens

@@ -43,6 +43,12 @@ class RunnerRequest:
     eos_token_ids: tuple[int, ...]
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    token_bitmask: torch.Tensor | None = None  # allowed next tokens this step (None: any)
+    prompt_logprobs: list[dict | None] | None = None  # filled by position as chunks run
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -62,6 +68,16 @@ class _Row:
     def samples(self) -> bool:
         """Whether this step computes the request's last known token (and so samples one)."""
         return self.req.num_computed_tokens + self.num_new_tokens == len(self.req.all_token_ids)
+
+    @property
+    def prompt_positions(self) -> range:
+        """Positions of this chunk whose next token is a prompt token whose logprob the
+        request asked for (every rank decides the same: it is all contract data)."""
+        req = self.req
+        if req.prompt_logprobs is None:
+            return range(0)
+        start = req.num_computed_tokens
+        return range(start, min(start + self.num_new_tokens, req.num_prompt_tokens - 1))
 
 
 class ModelRunner:
@@ -134,6 +150,8 @@ class ModelRunner:
             req.all_token_ids += r.new_token_ids
             req.block_ids += r.new_block_ids
             req.num_computed_tokens = r.num_computed_tokens
+        for rid, _ in contract.scheduled:  # kept with the request: a retried step reuses it
+            self.requests[rid].token_bitmask = contract.token_bitmask.get(rid)
 
     def execute(self, contract: StepContract) -> Sampled:
         """Apply the contract and run its step."""
@@ -155,15 +173,28 @@ class ModelRunner:
         self.in_collectives = True
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
         sampling = [r for r in order if r.samples]
-        if not sampling:
+        # Token rows whose logits are needed: each sampling row's last token, then the prompt
+        # positions of rows that asked for prompt logprobs.
+        starts = torch.tensor([r.num_new_tokens for r in order]).cumsum(0).tolist()
+        starts = [0, *starts[:-1]]
+        rows = [starts[i] + r.num_new_tokens - 1 for i, r in enumerate(order) if r.samples]
+        scored = [(r, s) for r, s in zip(order, starts) if r.prompt_positions]
+        for r, s in scored:
+            first = r.req.num_computed_tokens
+            rows += [s + p - first for p in r.prompt_positions]
+        if not rows:
             self.in_collectives = False
             self.model_seconds += time.perf_counter() - t0
             return {}
-        ends = torch.tensor([r.num_new_tokens for r in order]).cumsum(0)
-        idx = torch.tensor([i for i, r in enumerate(order) if r.samples])
-        logits = self.model.compute_logits(hidden[(ends[idx] - 1).to(self.device)])  # (S, V)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         self.in_collectives = False
         if logits is None:  # a tensor-parallel worker: rank 0 samples
+            return {}
+        if scored:
+            self._record_prompt_logprobs(scored, logits[len(sampling) :])
+            logits = logits[: len(sampling)]
+        if not sampling:
+            self.model_seconds += time.perf_counter() - t0
             return {}
         if logits.is_cuda:
             torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
@@ -174,6 +205,33 @@ class ModelRunner:
             r.request_id: (tok, lp)
             for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
         }
+
+    def _record_prompt_logprobs(self, scored: list, logits: torch.Tensor) -> None:
+        """Store each scored position's logprob of the next prompt token (and the top-k), by
+        position, so a retried chunk writes the same entries again."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        at = 0
+        for r, _ in scored:
+            req = r.req
+            positions = r.prompt_positions
+            nxt = torch.tensor(
+                [req.all_token_ids[p + 1] for p in positions], device=logprobs.device
+            )
+            block = logprobs[at : at + len(positions)]
+            at += len(positions)
+            chosen = block.gather(1, nxt[:, None]).squeeze(1).tolist()
+            k = min(req.params.prompt_logprobs, block.shape[-1])
+            top_vals, top_ids = block.topk(k, dim=-1) if k else (None, None)
+            for j, p in enumerate(positions):
+                entry = {int(nxt[j]): chosen[j]}
+                if k:
+                    entry.update(zip(top_ids[j].tolist(), top_vals[j].tolist()))
+                req.prompt_logprobs[p + 1] = entry
+
+    def take_prompt_logprobs(self, request_id: str) -> list[dict | None] | None:
+        """A request's prompt logprobs once its prompt is computed (rank 0 only)."""
+        req = self.requests.get(request_id)
+        return None if req is None else req.prompt_logprobs
 
     @torch.inference_mode()
     def all_logits(self, request_id: str, num_new_tokens: int) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from steadylm.engine.structured import RequestConstraint, StructuredOutputs, ThinkingParams
 from steadylm.errors import RequestError
 
 INT64_MAX = 2**63 - 1  # every count and id becomes an int64 tensor element somewhere
@@ -62,6 +63,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI / vLLM: subtracted once from each generated token
     frequency_penalty: float = 0.0  # ... and this times its count in the output so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    structured_outputs: StructuredOutputs | None = None  # what the answer must match
+    thinking: ThinkingParams | None = None  # a reasoning model's thought markers and budget
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (None: not computed)
 
     def __post_init__(self) -> None:
         """Every field is checked against what the engine can represent, so no value reaches
@@ -85,6 +89,8 @@ class SamplingParams:
         _require_int(self.min_new_tokens, "min_new_tokens", 0, INT64_MAX)
         if self.logprobs is not None:
             _require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _require_int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
         _require_float(self.presence_penalty, "presence_penalty", -2, 2)
         _require_float(self.frequency_penalty, "frequency_penalty", -2, 2)
         _require(
@@ -95,6 +101,13 @@ class SamplingParams:
             "logit_bias",
             "logit_bias maps token ids to biases in [-100, 100]",
         )
+        for name, kind in (("structured_outputs", StructuredOutputs), ("thinking", ThinkingParams)):
+            value = getattr(self, name)
+            _require(
+                value is None or isinstance(value, kind),
+                name,
+                f"{name} must be a {kind.__name__} or None",
+            )
         for name in ("stop_token_ids", "bad_token_ids"):
             ids = getattr(self, name)
             _require(
@@ -156,6 +169,9 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    constraint: RequestConstraint | None = None  # its grammar matcher and thought (structured)
+    # with params.prompt_logprobs: entry j is {prompt[j]: logprob, top...} (entry 0 is None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.max_total_tokens:
@@ -206,6 +222,9 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        if self.constraint is not None and not self.constraint.accept(token_id):
+            self.finish(RequestStatus.FINISHED_ERROR, self.constraint.error)
+            return
         n = self.num_output_tokens
         stops = self.params.stop_token_ids + (() if self.params.ignore_eos else self.eos_token_ids)
         if n >= self.params.min_new_tokens and token_id in stops:
@@ -240,3 +259,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the first output only

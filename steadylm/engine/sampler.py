@@ -1,5 +1,6 @@
-"""Batched sampling for one step: penalties, bans, temperature, top-k, top-p, min-p, then an
-exponential race (argmax of p / E, E ~ Exp(1)), which draws from p without a host sync.
+"""Batched sampling for one step: penalties, bans, the structured-output token bitmask,
+temperature, top-k, top-p, min-p, then an exponential race (argmax of p / E, E ~ Exp(1)), which
+draws from p without a host sync. Logprobs are those of the logits before the bitmask.
 
 A seeded request owns a `torch.Generator`; its noise row is drawn from it alone, so its tokens do
 not depend on what else is in the batch. Unseeded rows share the engine's generator.
@@ -13,6 +14,7 @@ from typing import Protocol
 import torch
 
 from steadylm.engine.request import SamplingParams
+from steadylm.engine.structured import apply_token_bitmask
 
 
 class SamplingRow(Protocol):
@@ -67,11 +69,13 @@ class Sampler:
             raise
 
     def _sample_step(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
+        raw = logits
         logits = self._apply_penalties(logits, requests)
         raw_logprobs = None
         want = [r.params.logprobs for r in requests]
         if any(w is not None for w in want):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _apply_bitmask(logits, raw, requests)
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -151,6 +155,29 @@ class Sampler:
             g = torch.Generator(device=self.device).manual_seed(r.params.seed)
             self.request_generators[r.request_id] = g
         return g
+
+
+def _apply_bitmask(
+    logits: torch.Tensor, raw: torch.Tensor, requests: list[SamplingRow]
+) -> torch.Tensor:
+    """The logits with each constrained row's disallowed tokens at -inf (`raw`: before the
+    penalties and bans)."""
+    rows = [i for i, r in enumerate(requests) if getattr(r, "token_bitmask", None) is not None]
+    if not rows:
+        return logits
+    bitmask = torch.stack([requests[i].token_bitmask for i in rows])
+    masked = logits.clone() if logits is raw else logits  # never write the model's logits
+    apply_token_bitmask(masked, bitmask, rows)
+    # A ban (min_new_tokens, bad words) may remove every token the grammar allows, e.g.
+    # EOS once the grammar is complete: the grammar wins.
+    dead = ~masked[rows].isfinite().any(dim=-1)
+    if bool(dead.any()):
+        fallback = raw[rows][dead]  # a copy
+        keep = bitmask[dead.to(bitmask.device)]
+        apply_token_bitmask(fallback, keep, list(range(len(keep))))
+        idx = torch.tensor(rows, device=logits.device)[dead.to(logits.device)]
+        masked[idx] = fallback
+    return masked
 
 
 def filter_probs(

@@ -6,12 +6,16 @@ per-request state from it. A request is sent whole once (`NewRequestData`: on ad
 again when it resumes after preemption), then only as differences (`CachedRequestData`: the
 tokens appended since, new block ids, how far it is computed and how many tokens to feed).
 `finished_ids` drop a request's runner state; `preempted_ids` drop its tokens and blocks but
-keep its seeded generator, so a resumed request samples as it would have.
+keep its seeded generator, so a resumed request samples as it would have. `token_bitmask` holds
+the allowed-token rows of this step's constrained requests (structured output, thinking
+budgets); only the sampling rank reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from steadylm.engine.request import SamplingParams
 
@@ -43,6 +47,8 @@ class StepContract:
     cached: list[CachedRequestData] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # request id -> its row of allowed tokens (ceil(V / 32) int32 words) for this step
+    token_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def scheduled(self) -> list[tuple[str, int]]:

@@ -223,7 +223,7 @@ class Pipeline:
         )
         # A built-in template's stop words end every templated generation, as in LMDeploy.
         self.template_stop_words = list(tc.pieces()["stop_words"] or []) if formatter else []
-        self.engine = LLMEngine.from_pretrained(model_path, config)
+        self.engine = LLMEngine.from_pretrained(model_path, config, self.tokenizer)
         self.async_engine = AsyncEngine(self.engine)
         self.backend_config = backend_config
         self._session_ids = itertools.count()

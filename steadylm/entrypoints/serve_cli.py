@@ -87,6 +87,26 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     p.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek-r1", "deepseek_r1", "qwen3"],
+        default=None,
+        help="split <think>...</think> into message.reasoning_content (and stream it as "
+        "delta.reasoning_content); structured output then applies to the answer only",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "qwen", "qwen2_5", "qwen3", "llama3", "llama3_json"],
+        default=None,
+        help="read tool calls out of the answer for tool_choice 'auto' (hermes: Qwen2.5/3's "
+        "<tool_call> blocks; llama3_json: Llama 3.x JSON calls); 'required' and named "
+        "functions work without it (forced by structured output)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice 'auto'; here --tool-call-parser alone enables it",
+    )
+    p.add_argument(
         "--graceful-shutdown-s",
         type=float,
         default=30.0,
@@ -282,7 +302,11 @@ def run(args: argparse.Namespace, engine_config) -> int:
     check_api_keys(args.api_keys)  # before minutes of loading, not after
     tls = ssl_files() if args.ssl else {}
     tokenizer = load_tokenizer(args.model)
-    engine = LLMEngine.from_pretrained(args.model, engine_config)
+    if args.reasoning_parser:  # a model without the thought markers fails before loading
+        from steadylm.entrypoints.server.reasoning import REASONING_PARSERS, marker_ids
+
+        marker_ids(tokenizer, REASONING_PARSERS[args.reasoning_parser])
+    engine = LLMEngine.from_pretrained(args.model, engine_config, tokenizer)
     template = None
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -297,6 +321,8 @@ def run(args: argparse.Namespace, engine_config) -> int:
         template,
         args.max_choices_per_request,
         args.max_request_body_bytes,
+        args.reasoning_parser,
+        args.tool_call_parser,
     )
     app = build_app(state)
     configure_app(app, args)

@@ -182,8 +182,6 @@ REJECTED: tuple[CompatFlag, ...] = (
     CompatFlag(
         "--enable-return-routed-experts", "steadylm serves no MoE models", True, False, _FLAG
     ),
-    CompatFlag("--tool-call-parser", "tool-call parsing is not supported yet", True, None, _STR),
-    CompatFlag("--reasoning-parser", "reasoning parsing is not supported yet", True, None, _STR),
     CompatFlag(
         "--enable-abort-handling",
         "steadylm has no /abort_request route; a request is aborted when its client disconnects",

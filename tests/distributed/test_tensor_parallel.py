@@ -5,6 +5,7 @@ reads only its shard and allocates exactly the plan's bytes; a bad split is a cl
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -106,6 +107,25 @@ def test_stories260k_tp2_matches_transformers():
     assert engine.runner.model.num_kv_heads == 2
     outs = generate(engine, prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))
     assert outs == [hf_greedy(hf, p, 60) for p in prompts]
+
+
+@needs_shared
+def test_structured_output_at_tp2_equals_tp1():
+    """Only rank 0 samples: the bitmask stays with it, and the constrained tokens match tp=1."""
+    from steadylm.engine.structured import StructuredOutputs
+    from steadylm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(STORIES))
+    so = StructuredOutputs("regex", r"[a-z]{2,5} [0-9]{2}")
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, structured_outputs=so)
+    outs = []
+    for tp in (1, 2):
+        config = EngineConfig(tp=tp, block_size=8, num_gpu_blocks=64)
+        engine = LLMEngine.from_pretrained(str(STORIES), config, tok)
+        outs.append(generate(engine, ["Once upon a time", "Tom and Sue"], params))
+    assert outs[0] == outs[1]
+    for out in outs[1]:
+        assert re.fullmatch(r"[a-z]{2,5} [0-9]{2}", tok.decode(out, skip_special_tokens=True))
 
 
 def test_awq_tp2_matches_dequantized_transformers(tmp_path):

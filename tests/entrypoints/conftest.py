@@ -28,15 +28,16 @@ def shape_for_quick_eos(model, eos_id: int, eos_logit: float) -> None:
         model.lm_head.weight[:, -1] = head
 
 
-@pytest.fixture(scope="session")
-def qwen_dsr1_dir(tmp_path_factory):
+def tiny_qwen2_dir(tmp_path_factory, tokenizer: str, seed: int, quick_eos: bool) -> str:
+    """A tiny random Qwen2 model saved with a real tokenizer (and its chat template) from
+    ../shared/tokenizers/<tokenizer>."""
     import transformers as tf
 
-    src = TOKENIZERS / "deepseek-r1-distill-qwen"
+    src = TOKENIZERS / tokenizer
     if not src.is_dir():
         pytest.skip(f"../shared is absent ({src} not found)")
     tok = tf.AutoTokenizer.from_pretrained(src)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = tf.Qwen2Config(
         vocab_size=len(tok),
         hidden_size=32,
@@ -50,9 +51,21 @@ def qwen_dsr1_dir(tmp_path_factory):
         tie_word_embeddings=False,
     )
     model = tf.Qwen2ForCausalLM(cfg).eval()
-    shape_for_quick_eos(model, tok.eos_token_id, eos_logit=0.3)
-    path = tmp_path_factory.mktemp("qwen2-dsr1")
+    if quick_eos:
+        shape_for_quick_eos(model, tok.eos_token_id, eos_logit=0.3)
+    path = tmp_path_factory.mktemp(tokenizer)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / f, path / f)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen_dsr1_dir(tmp_path_factory):
+    return tiny_qwen2_dir(tmp_path_factory, "deepseek-r1-distill-qwen", 0, quick_eos=True)
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir(tmp_path_factory):
+    """Weights left as noise: structured output must hold even then."""
+    return tiny_qwen2_dir(tmp_path_factory, "qwen2.5", 1, quick_eos=False)

@@ -197,7 +197,8 @@ def test_tqdm_progress(stories_pipe, capsys):
         ("stop_words", "stop"),
         ("stop_token_ids", [-1]),
         ("random_seed", "x"),
-        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "xml"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     ],
 )
 def test_invalid_generation_config_names_the_field(field, value):

@@ -306,12 +306,12 @@ BAD = [  # (description, method, path, body or raw bytes, expected status, messa
         "stop",
     ),
     (
-        "echo unsupported",
+        "suffix unsupported",
         "json",
         "/v1/completions",
-        {"model": MODEL, "prompt": "a", "echo": True},
+        {"model": MODEL, "prompt": "a", "suffix": "b"},
         400,
-        "echo",
+        "suffix",
     ),
     (
         "presence penalty out of range",
@@ -512,7 +512,9 @@ def test_api_keys():
 
 
 @contextlib.contextmanager
-def inproc_server(engine_kw: dict | None = None, **state_kw):
+def inproc_server(
+    engine_kw: dict | None = None, model_dir: str = str(STORIES), name: str = MODEL, **state_kw
+):
     """A real uvicorn on a real socket, in this process, so a test can reach the engine."""
     import uvicorn
 
@@ -521,9 +523,10 @@ def inproc_server(engine_kw: dict | None = None, **state_kw):
     from steadylm.entrypoints.server.app import ServerState, build_app
     from steadylm.tokenizer import load_tokenizer
 
-    config = EngineConfig(num_gpu_blocks=64, block_size=16, **(engine_kw or {}))
-    engine = LLMEngine.from_pretrained(str(STORIES), config)
-    state = ServerState(engine, load_tokenizer(str(STORIES)), MODEL, **state_kw)
+    config = EngineConfig(**{"num_gpu_blocks": 64, "block_size": 16, **(engine_kw or {})})
+    tokenizer = load_tokenizer(model_dir)
+    engine = LLMEngine.from_pretrained(model_dir, config, tokenizer)
+    state = ServerState(engine, tokenizer, name, **state_kw)
     port = free_port()
     srv = uvicorn.Server(
         uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")

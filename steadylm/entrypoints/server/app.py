@@ -8,6 +8,7 @@ A client that disconnects has its request aborted and its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from steadylm.engine.async_engine import CLOSED, AsyncEngine
 from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import RequestStatus, SamplingParams
+from steadylm.engine.structured import StructuredOutputs
 from steadylm.entrypoints.serve_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
+from steadylm.entrypoints.server.chat_output import ChoiceOutput
 from steadylm.entrypoints.server.metrics import Metrics
 from steadylm.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -34,8 +37,15 @@ from steadylm.entrypoints.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from steadylm.entrypoints.server.reasoning import (
+    REASONING_PARSERS,
+    ReasoningSplitter,
+    marker_ids,
+    thinking_params,
+)
+from steadylm.entrypoints.server.tool_parsers import TOOL_PARSERS, tool_call_schema
 from steadylm.errors import ConfigError, EngineDeadError, RequestError, SteadyLMError
-from steadylm.output import OutputProcessor, timing
+from steadylm.output import Delta, OutputProcessor, timing
 from steadylm.tokenizer import PromptEncoder
 
 logger = logging.getLogger("steadylm.server")
@@ -81,6 +91,8 @@ class ServerState:
         chat_template: str | None = None,
         max_choices_per_request: int = DEFAULT_MAX_CHOICES,
         max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         check_api_keys(api_keys)
         for name, value in (
@@ -101,6 +113,22 @@ class ServerState:
         self.in_flight = 0  # choices in flight (a request of n choices counts n)
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.reasoning = None
+        if reasoning_parser is not None:
+            if reasoning_parser not in REASONING_PARSERS:
+                raise ConfigError(
+                    f"--reasoning-parser {reasoning_parser!r} is not one of "
+                    f"{sorted(REASONING_PARSERS)}",
+                    param="reasoning_parser",
+                )
+            self.reasoning = REASONING_PARSERS[reasoning_parser]
+            marker_ids(tokenizer, self.reasoning)  # a model without the markers fails now
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"--tool-call-parser {tool_call_parser!r} is not one of {sorted(TOOL_PARSERS)}",
+                param="tool_call_parser",
+            )
+        self.tool_call_parser = tool_call_parser
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -312,14 +340,16 @@ async def _encode(fn, *args):
 
 
 async def _encode_chat(state: ServerState, body) -> list[int]:
-    """The prompt ids of a body with chat `messages` (a chat request, or /tokenize's)."""
-    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    """The prompt ids of a body with chat `messages` (a chat request, or /tokenize's), its
+    tools (if any) given to the template."""
+    msgs = [m.for_template() for m in body.messages]
     return await _encode(
         state.encoder.encode_messages,
         msgs,
         body.add_generation_prompt,
         body.continue_final_message,
         body.chat_template_kwargs,
+        body.tool_dicts(),
     )
 
 
@@ -363,7 +393,39 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return out
 
 
-def _sampling(body: SamplingFields, state: ServerState, chat: bool, index: int) -> SamplingParams:
+def _constraints(body: SamplingFields, state: ServerState, chat: bool):
+    """(structured output, thinking) of a request: its own constraint, or the schema that a
+    forced tool choice compiles to; the thought's markers when a reasoning parser is set."""
+    thinking = thinking_params(
+        state.tokenizer, state.reasoning if chat else None, body.max_thinking_tokens
+    )
+    so = body.structured()
+    choice = body.tool_choice_value() if chat else "none"
+    if choice == "auto" and state.tool_call_parser is None:
+        raise RequestError(
+            'tool_choice "auto" (the default when tools are given) needs the server started '
+            'with --tool-call-parser; or ask for tool_choice "required", a named function, '
+            'or "none"',
+            param="tool_choice",
+        )
+    if choice not in ("none", "auto"):
+        if so is not None:
+            raise RequestError(
+                "tool_choice 'required' or a named function cannot be combined with another "
+                "structured output constraint",
+                param="tool_choice",
+            )
+        try:
+            schema = tool_call_schema(body.tool_dicts(), choice, state.tool_call_parser or "hermes")
+        except ValueError as exc:
+            raise RequestError(str(exc), param="tool_choice") from None
+        so = StructuredOutputs("json", json.dumps(schema, ensure_ascii=False))
+    return so, thinking
+
+
+def _sampling(
+    body: SamplingFields, state: ServerState, chat: bool, index: int, constraints=(None, None)
+) -> SamplingParams:
     max_new = body.max_new_tokens() if chat else body.max_tokens
     temperature = 1.0 if body.temperature is None else body.temperature
     if chat:
@@ -392,6 +454,9 @@ def _sampling(body: SamplingFields, state: ServerState, chat: bool, index: int) 
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=_logit_bias(body, state),
+        prompt_logprobs=logprobs if not chat and body.echo else None,
+        structured_outputs=constraints[0],
+        thinking=constraints[1],
     )
 
 
@@ -480,6 +545,8 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.index: dict[str, int] = {}
         self.procs: dict[int, OutputProcessor] = {}
+        self.outs: dict[int, ChoiceOutput] = {}  # chat: reasoning and tool calls per choice
+        self.echo: dict[int, list[int]] = {}  # completions' echo: choice -> its prompt ids
         self.prompt_lens: dict[int, int] = {}
         self.cached: dict[int, int] = {}  # choice -> prompt tokens served by the prefix cache
         self.text_offset: dict[int, int] = {}  # choice -> characters of logprob tokens so far
@@ -503,15 +570,19 @@ class _Run:
     def _add_all(self, jobs, loop) -> None:
         """Every choice enters the engine between two steps, all or none."""
         eng = self.state.engine
-        params = [_sampling(self.body, self.state, self.chat, i) for i, _ in jobs]
+        constraints = _constraints(self.body, self.state, self.chat)
+        params = [_sampling(self.body, self.state, self.chat, i, constraints) for i, _ in jobs]
         streams = self.state.async_engine.add_requests(
             [(ids, p) for (_, ids), p in zip(jobs, params)], loop=loop, sink=self.queue
         )
-        for (i, ids), stream in zip(jobs, streams):
+        for (i, ids), stream, p in zip(jobs, streams, params):
             self.index[stream.request_id] = i
             self.open.add(stream.request_id)
             self.prompt_lens[i] = len(ids)
             self.lp_history[i] = list(ids[-LOGPROB_CONTEXT_TOKENS:])  # the first token's context
+            if not self.chat and self.body.echo:
+                self.echo[i] = list(ids)
+                self.lp_history[i] = []  # the prompt's own tokens are reported first
             self.procs[i] = OutputProcessor(
                 self.state.tokenizer,
                 ids,
@@ -522,6 +593,20 @@ class _Run:
                 self.body.spaces_between_special_tokens,
                 self.body.ignore_eos,
             )
+            if self.chat:
+                self.outs[i] = self._choice_output(ids, p)
+
+    def _choice_output(self, ids: list[int], params: SamplingParams) -> ChoiceOutput:
+        state, body = self.state, self.body
+        splitter = None
+        if state.reasoning is not None:
+            splitter = ReasoningSplitter(state.reasoning, params.thinking.open_after(ids))
+        choice = body.tool_choice_value()
+        parser = None
+        if choice == "auto" and body.tools:
+            parser = TOOL_PARSERS[state.tool_call_parser](body.tool_dicts())
+        forced = choice if choice not in ("none", "auto") else None
+        return ChoiceOutput(splitter, parser, forced, body.parallel_tool_calls)
 
     def abort_open(self) -> None:
         """The client went away (or a choice failed to start): end what is still running."""
@@ -543,6 +628,8 @@ class _Run:
                 i = self.index[rid]
                 self.cached[i] = max(self.cached.get(i, 0), item.num_cached_tokens)
                 d = self.procs[i].feed(item)
+                if i in self.echo:  # the prompt (and its logprobs) come first
+                    d = self._echoed(i, d, item.prompt_logprobs)
                 if d.stop_string_hit:  # the STOPPED final output follows
                     self.state.async_engine.abort_nowait(rid, RequestStatus.FINISHED_STOPPED)
                 if item.finished:
@@ -555,6 +642,17 @@ class _Run:
                 yield i, d
         finally:
             self.abort_open()
+
+    def _echoed(self, i: int, d: Delta, prompt_logprobs: list | None) -> Delta:
+        """The choice's first delta with the prompt before it (completions' `echo`)."""
+        ids = self.echo.pop(i)
+        lps = prompt_logprobs or [None] * len(ids)
+        return dataclasses.replace(
+            d,
+            text=self.state.tokenizer.decode(ids) + d.text,
+            token_ids=ids + d.token_ids,
+            logprobs=lps + d.logprobs,
+        )
 
     def _usage(self) -> dict:
         prompt = sum(self.prompt_lens.values())
@@ -595,11 +693,12 @@ class _Run:
     def _choice(self, i: int, text: str, reason: str | None, lps: list) -> dict:
         logprobs = self._logprobs(i, lps) if self._wants_logprobs() else None
         if self.chat:
+            out = self.outs[i]
             return {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": out.message(text),
                 "logprobs": logprobs,
-                "finish_reason": reason,
+                "finish_reason": out.finish_reason(reason),
             }
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
@@ -627,7 +726,10 @@ class _Run:
                 return tok.decode([*ctx, k])[len(base) :]
 
             n = self.body.top_logprobs if self.chat else self.body.logprobs
-            rows.append((text(t), lp.get(t, 0.0), [(text(k), v) for k, v in top(lp, n)]))
+            if lp is None:  # the first prompt token (echo): nothing before it to predict it
+                rows.append((text(t), None, None))
+            else:
+                rows.append((text(t), lp.get(t, 0.0), [(text(k), v) for k, v in top(lp, n)]))
             history.append(t)
         del history[:-LOGPROB_CONTEXT_TOKENS]
 
@@ -647,7 +749,7 @@ class _Run:
         return {
             "tokens": [t for t, _, _ in rows],
             "token_logprobs": [v for _, v, _ in rows],
-            "top_logprobs": [dict(alts) for _, _, alts in rows],
+            "top_logprobs": [None if alts is None else dict(alts) for _, _, alts in rows],
             "text_offset": offsets,
         }
 
@@ -678,7 +780,8 @@ class _Run:
             if d.error:
                 yield _event(error_body(d.error, "internal_server_error", None, 500))
                 continue
-            if not d.text and not d.finished:
+            pieces = self.outs[i].feed(d.text, final=d.finished) if self.chat else []
+            if not (pieces if self.chat else d.text) and not d.finished:
                 continue
             lps = (
                 self._logprobs(i, list(zip(d.token_ids, d.logprobs)))
@@ -686,12 +789,18 @@ class _Run:
                 else None
             )
             if self.chat:
-                choice = {
-                    "index": i,
-                    "delta": {"content": d.text} if d.text else {},
-                    "logprobs": lps,
-                    "finish_reason": d.finish_reason,
-                }
+                pieces = pieces or [{}]
+                for k, piece in enumerate(pieces):
+                    last = k == len(pieces) - 1
+                    reason = self.outs[i].finish_reason(d.finish_reason) if last else None
+                    choice = {
+                        "index": i,
+                        "delta": piece,
+                        "logprobs": lps if k == 0 else None,
+                        "finish_reason": reason,
+                    }
+                    yield _event({**head, "choices": [choice]})
+                continue
             else:
                 choice = {
                     "index": i,

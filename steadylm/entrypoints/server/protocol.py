@@ -7,11 +7,13 @@ anywhere may hold a lone UTF-16 surrogate."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from steadylm.engine.request import INT64_MAX, SEED_MAX, SEED_MIN
+from steadylm.engine.structured import StructuredOutputs, from_response_format
 from steadylm.tokenizer import has_surrogates
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -23,19 +25,7 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 def _refuse_unsupported(body: Any) -> None:
     """Fields steadylm does not implement yet are a 400 naming them, never silently ignored."""
     checks = [
-        (
-            "response_format",
-            body.response_format not in (None, {"type": "text"}),
-            "structured output (response_format) is not supported yet",
-        ),
-        ("tools", bool(body.tools), "tool calls are not supported yet"),
-        (
-            "tool_choice",
-            body.tool_choice not in (None, "none", "auto")
-            or (body.tool_choice == "auto" and bool(body.tools)),
-            "tool calls are not supported yet",
-        ),
-        ("functions", bool(body.functions), "function calls are not supported"),
+        ("functions", bool(body.functions), "functions (deprecated) are not supported; use tools"),
         (
             "function_call",
             body.function_call not in (None, "none"),
@@ -122,14 +112,22 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's structured output: `structured_outputs` {json | regex | choice | grammar |
+    # json_object}, or the older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # the thought's budget for a thinking model (tokens between <think> and </think>)
+    max_thinking_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
         _refuse_unsupported(self)
+        self.structured()  # a malformed spec is a 400 now (an invalid grammar when compiled)
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
@@ -144,6 +142,38 @@ class SamplingFields(StrictModel):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop: each stop string has at most {MAX_STOP_CHARS} characters")
         return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one structured-output constraint this body asks for, or None."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        so = from_response_format(self.response_format)
+        if so is not None:
+            found.append(("response_format", so))
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        for kind, value in guided.items():
+            if value is not None:
+                found.append((f"guided_{kind}", _structured(kind, value)))
+        for key, value in (self.structured_outputs or {}).items():
+            if key == "json_object":
+                if value is True:
+                    found.append(("structured_outputs", StructuredOutputs("json_object")))
+            elif key in guided:
+                if value is not None:
+                    found.append(("structured_outputs", _structured(key, value)))
+            else:
+                raise ValueError(
+                    f"structured_outputs: {key!r} is not one of json, regex, choice, grammar, "
+                    "json_object"
+                )
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ValueError(f"give one structured output constraint, not several ({names})")
+        return found[0][1] if found else None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
@@ -160,13 +190,18 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    tools: Any = None  # a chat feature: refused here, never ignored
+    tool_choice: Any = None
 
     @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported yet")
+    def _no_suffix(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix (insertion) is not supported")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError(
+                "tools, tool_choice: tool calls are a chat completions feature "
+                "(/v1/chat/completions)"
+            )
         return self
 
     def num_prompts(self) -> int:
@@ -182,11 +217,44 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: arguments as objects (Qwen's and Llama's
+        templates serialise them themselves), as vLLM passes them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
+                }
+                for c in self.tool_calls
+            ]
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -196,8 +264,32 @@ class ChatMessage(StrictModel):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(StrictModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=1024)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
@@ -205,6 +297,18 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> Any:
+        """ "none", "auto", "required" or {"type": "function", "function": {"name"}}; OpenAI's
+        default: "auto" with tools, "none" without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
 
     @model_validator(mode="after")
     def _continue(self) -> ChatCompletionRequest:
@@ -234,7 +338,11 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=1024)
     return_token_strs: bool = False
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -246,6 +354,26 @@ class TokenizeRequest(StrictModel):
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
+def _arguments(call: MessageToolCall) -> Any:
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
+
+
+def _structured(kind: str, value: Any) -> StructuredOutputs:
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("a choice constraint is a list of strings")
+        return StructuredOutputs.choice(value)
+    if kind == "json" and isinstance(value, dict):
+        return StructuredOutputs("json", json.dumps(value, ensure_ascii=False))
+    if not isinstance(value, str):
+        raise ValueError(f"a {kind} constraint is a string")
+    return StructuredOutputs(kind, value)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
