@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from steadylm.config import EngineConfig
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.structured import from_response_format
+from steadylm.entrypoints.server.reasoning import thinking_params
 from steadylm.errors import ConfigError, RequestError
 
 logger = logging.getLogger("steadylm")
@@ -100,6 +101,9 @@ class GenerationConfig:
     return_routed_experts: bool = False
     repetition_ngram_size: int = 0
     repetition_ngram_threshold: int = 0
+    # steadylm's (vLLM's server field): at most this many thought tokens between <think> and
+    # </think>, then the engine closes the thought and the answer follows
+    max_thinking_tokens: int | None = None
 
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "logprob_start_len": (REJECTED, "prompt-token logprobs are not returned yet"),
@@ -181,6 +185,12 @@ class GenerationConfig:
             f"random_seed={self.random_seed!r} must be an int",
         )
         from_response_format(self.response_format)  # a malformed one names its field now
+        _need(
+            self.max_thinking_tokens is None
+            or (_int(self.max_thinking_tokens) and self.max_thinking_tokens >= 0),
+            "max_thinking_tokens",
+            f"max_thinking_tokens={self.max_thinking_tokens!r} must be an int >= 0",
+        )
         for name in ("stop_words", "bad_words"):
             words = getattr(self, name)
             _need(
@@ -256,6 +266,7 @@ class GenerationConfig:
             min_new_tokens=self.min_new_tokens or 0,
             logprobs=self.logprobs,
             structured_outputs=from_response_format(self.response_format),
+            thinking=thinking_params(tokenizer, None, self.max_thinking_tokens),
         )
 
 

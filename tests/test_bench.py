@@ -86,6 +86,20 @@ def test_transformers_peer_and_membw_produce_results(tiny_model, tmp_path):
     assert bw["bandwidth_GBps"] > 0 and bw["step_weight_bytes"] > 0
 
 
+def test_structured_overhead_produces_a_result(tmp_path):
+    if not (ROOT.parent / "shared" / "tokenizers" / "qwen2.5").is_dir():
+        pytest.skip("../shared is absent (the Qwen2.5 tokenizer)")
+    out = tmp_path / "s.json"
+    run(
+        "benchmarks/structured_overhead.py",
+        *("--model", str(tmp_path / "m"), "--tiny", "--runs", "1", "--steps", "4"),
+        *("--out", str(out)),
+    )
+    result = json.loads(out.read_text())
+    assert result["json_schema_step_ms"] > 0 and result["bitmask_fill_ms_per_step"] > 0
+    assert result["bitmask_apply_ms_per_step"] > 0
+
+
 def test_gemv_share_produces_a_result(tmp_path):
     """The GEMV-vs-oneDNN microbenchmark still runs (one layer, one round); no speed asserted."""
     from steadylm import kernels

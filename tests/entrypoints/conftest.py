@@ -69,3 +69,16 @@ def qwen_dsr1_dir(tmp_path_factory):
 def qwen25_dir(tmp_path_factory):
     """Weights left as noise: structured output must hold even then."""
     return tiny_qwen2_dir(tmp_path_factory, "qwen2.5", 1, quick_eos=False)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`steadylm serve` on stories260K in a subprocess, one per test module."""
+    import signal
+
+    from tests.entrypoints.test_server import start_server
+
+    proc, base = start_server()
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)

@@ -72,14 +72,6 @@ def start_server(
     return proc, base
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc, base = start_server()
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-
-
 @pytest.fixture
 def client(server):
     from openai import OpenAI

@@ -174,6 +174,46 @@ def test_auto_reads_hermes_calls_streamed_and_not(qwen_tools):
     assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
 
 
+def test_llama3_json_calls_through_the_llama_31_template(qwen25_dir):
+    from tests.conftest import SHARED
+
+    template = (SHARED / "chat_templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "f"}}'
+    regex = call.replace("{", "\\{").replace("}", "\\}")
+    with inproc_server(
+        engine_kw={"num_gpu_blocks": 128},
+        model_dir=qwen25_dir,
+        name=NAME,
+        tool_call_parser="llama3_json",
+        chat_template=template,
+    ) as (base, _):
+        ids = httpx.post(
+            f"{base}/tokenize", json={"messages": ASK, "tools": [WEATHER]}, timeout=60
+        ).json()["tokens"]
+        prompt = httpx.post(f"{base}/detokenize", json={"tokens": ids}, timeout=60).json()
+        assert "get_weather" in prompt["prompt"] and "<|start_header_id|>" in prompt["prompt"]
+        client = _client(base)
+        kw = dict(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=60)
+        r = client.chat.completions.create(**kw, extra_body={"guided_regex": regex})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and not c.message.content
+        assert c.message.tool_calls[0].function.name == "get_weather"
+        assert json.loads(c.message.tool_calls[0].function.arguments) == {
+            "city": "Oslo",
+            "unit": "f",
+        }
+        content, calls, reason, _ = _stream(client, **kw, extra_body={"guided_regex": regex})
+        assert reason == "tool_calls" and not content
+        assert json.loads(calls[0]["arguments"]) == {"city": "Oslo", "unit": "f"}
+        # required, streamed: the forced call list arrives whole at the end
+        content, calls, reason, _ = _stream(
+            client, **{**kw, "max_tokens": 200}, tool_choice="required", seed=2, temperature=1.0
+        )
+        if reason != "length":
+            assert reason == "tool_calls" and calls and calls[0]["name"] == "get_weather"
+            _check_weather_args(calls[0]["arguments"])
+
+
 def test_tools_and_tool_history_reach_the_template(qwen_tools):
     history = [
         *ASK,
@@ -319,3 +359,22 @@ def test_a_reasoning_parser_needs_the_markers(qwen25_dir):
     with pytest.raises(ConfigError, match="<think>"):
         with inproc_server(model_dir=qwen25_dir, name=NAME, reasoning_parser="deepseek-r1"):
             pass
+
+
+def test_pipeline_max_thinking_tokens(qwen_dsr1_dir):
+    from steadylm import GenerationConfig, PytorchEngineConfig, pipeline
+
+    with pipeline(qwen_dsr1_dir, backend_config=PytorchEngineConfig(num_gpu_blocks=64)) as pipe:
+        end = pipe.tokenizer.encode("</think>", add_special_tokens=False)[0]
+        for budget in (0, 6):
+            gen = GenerationConfig(
+                do_sample=True,
+                random_seed=budget,
+                max_new_tokens=budget + 4,
+                ignore_eos=True,
+                max_thinking_tokens=budget,
+            )
+            out = pipe("Why is the sky blue?", gen_config=gen)
+            assert out.token_ids.index(end) == budget
+    with pytest.raises(ValueError, match="max_thinking_tokens"):
+        GenerationConfig(max_thinking_tokens=-1)

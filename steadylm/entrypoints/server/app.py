@@ -669,7 +669,9 @@ class _Run:
         errors = []
         reasons: dict[int, str | None] = {}
         lps: dict[int, list] = {i: [] for i in self.procs}
+        texts: dict[int, str] = {i: "" for i in self.procs}  # echo puts the prompt first
         async for i, d in self.deltas():
+            texts[i] += d.text
             lps[i] += list(zip(d.token_ids, d.logprobs))
             if d.finished:
                 reasons[i] = d.finish_reason
@@ -677,9 +679,7 @@ class _Run:
                     errors.append(d.error)
         if errors:
             raise APIError(500, errors[0], "internal_server_error")
-        choices = [
-            self._choice(i, self.procs[i].text, reasons.get(i), lps[i]) for i in sorted(self.procs)
-        ]
+        choices = [self._choice(i, texts[i], reasons.get(i), lps[i]) for i in sorted(self.procs)]
         obj = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,

@@ -61,6 +61,10 @@ def thinking_params(
     if parser is None:
         if max_thinking_tokens is None:
             return None
+        if tokenizer is None:
+            raise RequestError(
+                "max_thinking_tokens needs the model's tokenizer", param="max_thinking_tokens"
+            )
         try:
             start, end = marker_ids(tokenizer, ReasoningParser("auto", False))
         except ConfigError:
