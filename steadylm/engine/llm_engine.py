@@ -321,12 +321,13 @@ class LLMEngine:
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
         """Turn a schedule into the step contract (data only) and have the runner run it."""
+        token_bitmask = self._token_bitmask(out)  # before the contract: it may drop requests
         contract = self.contracts.build(
             [(s.request, s.num_new_tokens) for s in out.scheduled],
             out.preempted,
             self.block_manager.block_table,
         )
-        contract.token_bitmask = self._token_bitmask(out)
+        contract.token_bitmask = token_bitmask
         return self.executor.execute(contract)
 
     def _collect_prompt_logprobs(self, out: SchedulerOutput, sampled: dict) -> None:
@@ -342,7 +343,9 @@ class LLMEngine:
                 req.prompt_logprobs = self.runner.take_prompt_logprobs(req.request_id)
 
     def _token_bitmask(self, out: SchedulerOutput) -> dict:
-        """The allowed-token rows of the requests that sample this step under a constraint."""
+        """The allowed-token rows of the requests that sample this step under a constraint.
+        A request whose matcher cannot fill its row fails alone: finished with the error and
+        taken out of this step (before its contract is built)."""
         constrained = [
             s.request
             for s in out.scheduled
@@ -353,7 +356,19 @@ class LLMEngine:
         if not constrained:
             return {}
         t0 = time.perf_counter()
-        rows = self.structured.fill([r.constraint for r in constrained])
+        try:
+            rows = list(self.structured.fill([r.constraint for r in constrained]))
+        except Exception:  # find which one: fill them one by one
+            rows = []
+            for req in list(constrained):
+                try:
+                    rows += list(self.structured.fill([req.constraint]))
+                except Exception as exc:
+                    logger.error("structured output of %s failed: %s", req.request_id, exc)
+                    constrained.remove(req)
+                    self.scheduler.fail_one(req, f"structured output failed: {exc}")
+                    out.errored.append(req)
+                    out.scheduled = [s for s in out.scheduled if s.request is not req]
         self.bitmask_seconds += time.perf_counter() - t0
         return {r.request_id: row for r, row in zip(constrained, rows)}
 

@@ -29,6 +29,9 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "struct
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 4096
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept by xgrammar's compiler
+# JSON nesting of a schema (objects and arrays); xgrammar's compile time grows steeply with it
+# (a 500-level schema ran for minutes and took gigabytes), real schemas stay far below.
+MAX_SCHEMA_DEPTH = 256
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object, as LMDeploy
 
 
@@ -181,7 +184,7 @@ class StructuredOutputManager:
         try:
             if so.kind in ("json", "json_object"):
                 schema = so.spec if so.kind == "json" else ANY_OBJECT
-                json.loads(schema)  # a clear message for text that is not JSON at all
+                _check_depth(json.loads(schema))  # not JSON, or too deep: a clear message
                 # Compact JSON: a grammar that allows any whitespace lets a model loop on it.
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if so.kind == "regex":
@@ -230,6 +233,20 @@ class StructuredOutputManager:
             elif mode == "grammar+start":
                 _allow(rows[i], c.thinking.start_token_id)
         return rows
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse a schema nested deeper than MAX_SCHEMA_DEPTH (counted without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise RequestError(
+                f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep",
+                param="response_format",
+            )
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
 
 
 def from_response_format(rf: dict | None) -> StructuredOutputs | None:

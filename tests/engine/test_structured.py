@@ -185,6 +185,7 @@ def test_thinking_budget_forces_the_end_marker_and_grammar_applies_after():
         (StructuredOutputs("regex", "[a-"), "regex"),
         (StructuredOutputs("grammar", 'root ::= "a" | b'), "grammar"),
         (StructuredOutputs("choice", "[]"), "choice"),
+        (StructuredOutputs("json", '{"items": ' * 300 + "{}" + "}" * 300), "levels deep"),
     ],
 )
 def test_invalid_specs_are_request_errors_and_the_engine_goes_on(so, needle):
@@ -214,3 +215,39 @@ def test_response_format_shapes():
             from_response_format(bad)
     with pytest.raises(RequestError):
         StructuredOutputs("xml", "")
+
+
+@needs_shared
+def test_a_matcher_that_fails_to_fill_fails_only_its_request():
+    """A bitmask fill that raises for one request finishes that request with the error; the
+    others in the same steps (constrained or not) give exactly a clean run's tokens."""
+    so = StructuredOutputs.choice(["a big dog", "the cat"])
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, structured_outputs=so)
+        for s in range(3)
+    ] + [SamplingParams(max_new_tokens=20, temperature=1.0, seed=9)]
+
+    def run(poison: bool):
+        engine, _ = _engine()
+        ids = [engine.add_request("Once upon a time", p) for p in params]
+        reqs = [engine.requests[i] for i in ids]
+        if poison:
+            bad = reqs[1].constraint
+            fill = engine.structured.fill
+
+            def flaky(constraints):
+                if any(c is bad for c in constraints):
+                    raise RuntimeError("injected fill fault")
+                return fill(constraints)
+
+            engine.structured.fill = flaky
+        run_to_end(engine)
+        assert engine.healthy
+        return reqs
+
+    clean, poisoned = run(False), run(True)
+    assert poisoned[1].status == RequestStatus.FINISHED_ERROR
+    assert "injected fill fault" in poisoned[1].error
+    for i in (0, 2, 3):
+        assert poisoned[i].output_token_ids == clean[i].output_token_ids
+        assert poisoned[i].status == clean[i].status
