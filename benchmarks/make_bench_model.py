@@ -43,7 +43,14 @@ def build(path: str, seed: int = 0, dtype: str = "float32", **shape) -> str:
     tok = os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "tokenizers", "llama2"
     )
-    if os.path.isdir(tok) and cfg.vocab_size == 32000:
+    if not os.path.isdir(tok):
+        print(
+            f"warning: {os.path.normpath(tok)} not found: {path} has no tokenizer, so "
+            "`steadylm serve`, `steadylm bench serve` and the peers that need one will fail "
+            "on it (copy a Llama-2 tokenizer in, 32000 tokens)",
+            file=sys.stderr,
+        )
+    elif cfg.vocab_size == 32000:
         for f in (
             "tokenizer.json",
             "tokenizer.model",

@@ -56,12 +56,16 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--n-ctx", type=int, default=None, help="default: the workload's longest prompt + output"
+    )
     args = ap.parse_args(argv)
     import llama_cpp
 
+    n_ctx = args.n_ctx or max(i + o for _, i, o in WORKLOADS[args.workload])
     llm = llama_cpp.Llama(
         model_path=args.gguf,
-        n_ctx=1024,
+        n_ctx=n_ctx,
         n_batch=512,
         n_threads=args.threads,
         n_threads_batch=args.threads,

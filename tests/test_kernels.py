@@ -230,3 +230,14 @@ def test_a_failed_build_falls_back_with_the_reason(monkeypatch, caplog):
     assert "pure-torch references" in caplog.text
     x, w = torch.randn(2, 16), torch.randn(16)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6))
+
+
+def test_each_torch_installation_gets_its_own_build(monkeypatch):
+    """Two virtual environments share torch's extension directory; their build commands differ
+    (include paths), so one shared build would be rebuilt alternately on every start."""
+    from steadylm import kernels
+
+    here = kernels._build_name()
+    assert kernels._build_name() == here  # stable within one installation
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    assert kernels._build_name() != here

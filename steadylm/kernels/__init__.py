@@ -36,11 +36,15 @@ _state: dict[str, object] = {}  # "ops": the loaded namespace or None, "error": 
 
 
 def _build_name() -> str:
-    """One build per source, torch version and CPU (the code is compiled for this CPU)."""
+    """One build per source, torch version, torch installation and CPU (the code is compiled
+    for this CPU). The installation path is in the build command (its include directories):
+    two virtual environments sharing one build directory would each see the other's command
+    line and rebuild, alternately, on every start."""
     h = hashlib.sha256()
     with open(_SOURCE, "rb") as f:
         h.update(f.read())
     h.update(torch.__version__.encode())
+    h.update(os.path.dirname(os.path.realpath(torch.__file__)).encode())
     h.update(platform.cpu_flags_key().encode())
     return "steadylm_cpu_ops_" + h.hexdigest()[:12]
 
