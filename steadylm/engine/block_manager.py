@@ -109,7 +109,9 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request's known tokens. At least one
         token is always left to compute, because the step that computes it yields the logits."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or (
+            request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+        ):
             return []  # prompt logprobs need every prompt position computed (as vLLM)
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -255,10 +255,18 @@ class TPExecutor(Executor):
 
 def _for_workers(args: tuple) -> tuple:
     """A call's arguments as the other ranks need them: only rank 0 samples, so a contract's
-    token bitmask stays here."""
-    return tuple(
-        dataclasses.replace(a, token_bitmask={})
-        if isinstance(a, StepContract) and a.token_bitmask
-        else a
-        for a in args
-    )
+    token bitmask and its new requests' structured-output specs (up to 1 MiB each) stay here."""
+    out = []
+    for a in args:
+        if isinstance(a, StepContract):
+            new = [
+                dataclasses.replace(
+                    r, params=dataclasses.replace(r.params, structured_outputs=None)
+                )
+                if r.params.structured_outputs is not None
+                else r
+                for r in a.new
+            ]
+            a = dataclasses.replace(a, token_bitmask={}, new=new)
+        out.append(a)
+    return tuple(out)

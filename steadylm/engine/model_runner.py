@@ -74,7 +74,7 @@ class _Row:
         """Positions of this chunk whose next token is a prompt token whose logprob the
         request asked for (every rank decides the same: it is all contract data)."""
         req = self.req
-        if req.prompt_logprobs is None:
+        if req.prompt_logprobs is None or req.num_output_tokens:  # none, or reported already
             return range(0)
         start = req.num_computed_tokens
         return range(start, min(start + self.num_new_tokens, req.num_prompt_tokens - 1))
@@ -89,8 +89,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        max_logit_rows: int = 128,
     ) -> None:
         self.model = model
+        self.max_logit_rows = max_logit_rows  # the memory plan budgets logits for this many
         self.backend = backend
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -125,7 +127,9 @@ class ModelRunner:
             device,
             config.quant_policy,
         )
-        return cls(model, backend, kv_cache, plan.block_size, device, config.seed)
+        return cls(
+            model, backend, kv_cache, plan.block_size, device, config.seed, config.max_batch_size
+        )
 
     # ---- the contract -------------------------------------------------------------------
     def apply(self, contract: StepContract) -> None:
@@ -173,28 +177,17 @@ class ModelRunner:
         self.in_collectives = True
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
         sampling = [r for r in order if r.samples]
-        # Token rows whose logits are needed: each sampling row's last token, then the prompt
-        # positions of rows that asked for prompt logprobs.
         starts = torch.tensor([r.num_new_tokens for r in order]).cumsum(0).tolist()
         starts = [0, *starts[:-1]]
-        rows = [starts[i] + r.num_new_tokens - 1 for i, r in enumerate(order) if r.samples]
-        scored = [(r, s) for r, s in zip(order, starts) if r.prompt_positions]
-        for r, s in scored:
-            first = r.req.num_computed_tokens
-            rows += [s + p - first for p in r.prompt_positions]
-        if not rows:
+        self._score_prompt_positions(order, starts, hidden)
+        if not sampling:
             self.in_collectives = False
             self.model_seconds += time.perf_counter() - t0
             return {}
+        rows = [s + r.num_new_tokens - 1 for r, s in zip(order, starts) if r.samples]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         self.in_collectives = False
         if logits is None:  # a tensor-parallel worker: rank 0 samples
-            return {}
-        if scored:
-            self._record_prompt_logprobs(scored, logits[len(sampling) :])
-            logits = logits[: len(sampling)]
-        if not sampling:
-            self.model_seconds += time.perf_counter() - t0
             return {}
         if logits.is_cuda:
             torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
@@ -206,26 +199,34 @@ class ModelRunner:
             for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
         }
 
-    def _record_prompt_logprobs(self, scored: list, logits: torch.Tensor) -> None:
-        """Store each scored position's logprob of the next prompt token (and the top-k), by
-        position, so a retried chunk writes the same entries again."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        at = 0
-        for r, _ in scored:
-            req = r.req
-            positions = r.prompt_positions
-            nxt = torch.tensor(
-                [req.all_token_ids[p + 1] for p in positions], device=logprobs.device
-            )
-            block = logprobs[at : at + len(positions)]
-            at += len(positions)
-            chosen = block.gather(1, nxt[:, None]).squeeze(1).tolist()
-            k = min(req.params.prompt_logprobs, block.shape[-1])
-            top_vals, top_ids = block.topk(k, dim=-1) if k else (None, None)
-            for j, p in enumerate(positions):
+    def _score_prompt_positions(self, order: list[_Row], starts: list[int], hidden) -> None:
+        """Logprobs of the next prompt token at each prompt position of this step's chunks
+        whose requests asked for them, in slices of at most `max_logit_rows` rows (the memory
+        plan's logits budget). Every rank runs the same slices: they follow from contract
+        data only. Stored by position, so a retried chunk writes the same entries again."""
+        items = [
+            (r.req, p, s + p - r.req.num_computed_tokens)
+            for r, s in zip(order, starts)
+            for p in r.prompt_positions
+        ]
+        for lo in range(0, len(items), self.max_logit_rows):
+            part = items[lo : lo + self.max_logit_rows]
+            rows = torch.tensor([row for _, _, row in part], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            if logits is None:  # a tensor-parallel worker
+                continue
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            nxt = torch.tensor([req.all_token_ids[p + 1] for req, p, _ in part])
+            chosen = logprobs.gather(1, nxt.to(logprobs.device)[:, None]).squeeze(1).tolist()
+            k = min(max(req.params.prompt_logprobs for req, _, _ in part), logprobs.shape[-1])
+            top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            top_vals = top_vals.tolist() if k else None
+            top_ids = top_ids.tolist() if k else None
+            for j, (req, p, _) in enumerate(part):
                 entry = {int(nxt[j]): chosen[j]}
-                if k:
-                    entry.update(zip(top_ids[j].tolist(), top_vals[j].tolist()))
+                n = req.params.prompt_logprobs
+                if n:
+                    entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
                 req.prompt_logprobs[p + 1] = entry
 
     def take_prompt_logprobs(self, request_id: str) -> list[dict | None] | None:

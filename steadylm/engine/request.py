@@ -222,9 +222,13 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
-        if self.constraint is not None and not self.constraint.accept(token_id):
-            self.finish(RequestStatus.FINISHED_ERROR, self.constraint.error)
-            return
+        if self.constraint is not None:
+            if not self.constraint.accept(token_id):
+                self.finish(RequestStatus.FINISHED_ERROR, self.constraint.error)
+                return
+            if self.constraint.completed:  # its stop token: done, whatever min_new_tokens says
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return
         n = self.num_output_tokens
         stops = self.params.stop_token_ids + (() if self.params.ignore_eos else self.eos_token_ids)
         if n >= self.params.min_new_tokens and token_id in stops:

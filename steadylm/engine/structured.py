@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "struct
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 4096
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept by xgrammar's compiler
+COMPILED_KEPT = 64  # ... and the most recent ones held by the manager itself
 # JSON nesting of a schema (objects and arrays); xgrammar's compile time grows steeply with it
 # (a 500-level schema ran for minutes and took gigabytes), real schemas stay far below.
 MAX_SCHEMA_DEPTH = 256
@@ -115,6 +117,11 @@ class RequestConstraint:
             return None
         return "grammar+start" if t is not None and self.num_accepted == 0 else "grammar"
 
+    @property
+    def completed(self) -> bool:
+        """The grammar has accepted its stop token: the answer is whole."""
+        return self.matcher is not None and not self.in_thought and self.matcher.is_terminated()
+
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and `error` set) if the grammar refuses it.
         The start marker counts as a marker only as the first output token."""
@@ -149,6 +156,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._compiler = None
         self._batch = None
+        self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()  # recent grammars
 
     @property
     def bitmask_width(self) -> int:
@@ -179,7 +187,21 @@ class StructuredOutputManager:
             return self._compiler
 
     def compile(self, so: StructuredOutputs) -> Any:
-        """The compiled grammar (cached); an invalid spec is a RequestError naming why."""
+        """The compiled grammar (the last COMPILED_KEPT are kept here, so the engine's
+        add_request finds what the caller compiled before taking the engine lock); an invalid
+        spec is a RequestError naming why."""
+        with self._lock:
+            if so in self._compiled:
+                self._compiled.move_to_end(so)
+                return self._compiled[so]
+        grammar = self._compile(so)
+        with self._lock:
+            self._compiled[so] = grammar
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def _compile(self, so: StructuredOutputs) -> Any:
         compiler = self.compiler()
         try:
             if so.kind in ("json", "json_object"):
@@ -211,7 +233,9 @@ class StructuredOutputManager:
             return None
         matcher = None
         if so is not None:
-            stops = sorted(set(stop_token_ids) | set(self.eos_token_ids))
+            stops = sorted(
+                t for t in set(stop_token_ids) | set(self.eos_token_ids) if t < self.vocab_size
+            )
             matcher = self._xgr().GrammarMatcher(self.compile(so), override_stop_tokens=stops)
         return RequestConstraint(matcher, thinking, prompt_ids)
 

@@ -251,3 +251,25 @@ def test_a_matcher_that_fails_to_fill_fails_only_its_request():
     for i in (0, 2, 3):
         assert poisoned[i].output_token_ids == clean[i].output_token_ids
         assert poisoned[i].status == clean[i].status
+
+
+@needs_shared
+@pytest.mark.parametrize("extra", [{"min_new_tokens": 8}, {"ignore_eos": True}])
+def test_a_complete_grammar_ends_the_request(extra):
+    """Once the grammar has taken its stop token the answer is whole: min_new_tokens (which
+    bans EOS) and ignore_eos do not let unconstrained text follow it."""
+    engine, tok = _engine()
+    so = StructuredOutputs.choice(["yes", "no"])
+    for seed in range(3):
+        p = SamplingParams(
+            max_new_tokens=30,
+            temperature=1.0,
+            seed=seed,
+            logprobs=1,
+            structured_outputs=so,
+            **extra,
+        )
+        req = engine.generate(["Once"], p)[0]
+        assert req.status == RequestStatus.FINISHED_STOPPED
+        assert req.output_token_ids[-1] in engine.model_config.eos_token_ids
+        assert tok.decode(req.output_token_ids[:-1], skip_special_tokens=True) in ("yes", "no")

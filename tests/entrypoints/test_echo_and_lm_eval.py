@@ -119,3 +119,24 @@ def test_lm_eval_loglikelihood_equals_engine_scoring(server, tmp_path, monkeypat
 def test_lm_eval_generate_until(server, tmp_path, monkeypatch):
     out = run_lm_eval(server, ["steadylm_gen"], tmp_path, monkeypatch)
     assert out["results"]["steadylm_gen"]["exact_match,none"] == 1.0, out["samples"]
+
+
+def test_echo_gives_a_text_prompt_back_as_sent_and_forced_tokens_stay_json(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "echo": True}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"].startswith("Once upon a time")
+    # a grammar that completes while min_tokens bans EOS: the grammar wins, the request ends,
+    # and the forced token's logprob (-inf under the ban) is still a JSON number
+    body = {
+        "model": MODEL,
+        "prompt": "Once",
+        "guided_choice": ["yes", "no"],
+        "min_new_tokens": 6,
+        "logprobs": 1,
+        "max_tokens": 20,
+    }
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["text"] in ("yes", "no") and c["finish_reason"] == "stop"
+    assert all(v >= -9999.0 for v in c["logprobs"]["token_logprobs"])

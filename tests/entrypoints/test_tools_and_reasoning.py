@@ -97,12 +97,12 @@ def test_named_function_is_forced_from_noise(qwen_tools):
             max_tokens=100,
         )
         c = r.choices[0]
-        assert c.finish_reason == "tool_calls" and c.message.content is None
+        # a named function was the caller's choice: "stop", as OpenAI and vLLM report it
+        assert c.finish_reason == "stop" and c.message.content is None
         (call,) = c.message.tool_calls
         assert call.function.name == "get_weather" and call.id.startswith("call_")
         _check_weather_args(call.function.arguments)
-    content, calls, reason, _ = _stream(
-        client,
+    kw = dict(
         model=NAME,
         messages=ASK,
         tools=[WEATHER, TIME],
@@ -110,8 +110,20 @@ def test_named_function_is_forced_from_noise(qwen_tools):
         temperature=1.0,
         seed=9,
         max_tokens=100,
+        logprobs=True,
     )
-    assert reason == "tool_calls" and content == "" and len(calls) == 1
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, reason, _ = _stream(client, **kw)
+    assert reason == "stop" and content == "" and len(calls) == 1
+    # the call's tokens were held back until it was whole; their logprobs were not dropped
+    streamed = [
+        lp.token
+        for chunk in client.chat.completions.create(stream=True, **kw)
+        for c in chunk.choices
+        if c.logprobs
+        for lp in c.logprobs.content
+    ]
+    assert streamed == [lp.token for lp in whole.logprobs.content]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     _check_weather_args(calls[0]["arguments"])
 
@@ -255,6 +267,15 @@ def test_tools_and_tool_history_reach_the_template(qwen_tools):
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required", "guided_choice": ["a"]}, "cannot be combined"),
         ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "name"),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}
+                ],
+            },
+            "$defs",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400s(qwen_tools, body, needle):
@@ -264,6 +285,36 @@ def test_bad_tool_requests_are_400s(qwen_tools, body, needle):
         timeout=60,
     )
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_deeply_nested_model_output_or_history_is_not_a_500(qwen_tools):
+    client = _client(qwen_tools)
+    deep = "<tool_call>" + "[" * 1500  # deeper than Python's JSON decoder can recurse
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=1600,
+        extra_body={"guided_choice": [deep]},
+    )
+    assert r.choices[0].message.content == deep and not r.choices[0].message.tool_calls
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    r = httpx.post(
+        f"{qwen_tools}/v1/chat/completions",
+        json={"model": NAME, "messages": history, "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_auto_without_a_parser_is_a_400_but_required_works(qwen25_dir):

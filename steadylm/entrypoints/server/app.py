@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,9 @@ from steadylm.tokenizer import PromptEncoder
 
 logger = logging.getLogger("steadylm.server")
 LOGPROB_CONTEXT_TOKENS = 6  # tokens before one that its text is decoded after
+GRAMMAR_THREADS = 2
+LOGPROBS_INLINE = 64  # longer logprob lists are formatted off the event loop
+MIN_LOGPROB = -9999.0  # what a -inf logprob is reported as (JSON has no infinity), as OpenAI
 
 
 class APIError(Exception):
@@ -129,6 +133,11 @@ class ServerState:
                 param="tool_call_parser",
             )
         self.tool_call_parser = tool_call_parser
+        # Grammar compiles get their own (daemon) threads, at most GRAMMAR_THREADS at once: a
+        # schema or regex that takes long to compile (xgrammar cannot be interrupted) then
+        # delays only other compiles, never tokenizing, /metrics, requests without a grammar
+        # or the server's exit.
+        self.grammar_slots = asyncio.Semaphore(GRAMMAR_THREADS)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -417,7 +426,7 @@ def _constraints(body: SamplingFields, state: ServerState, chat: bool):
             )
         try:
             schema = tool_call_schema(body.tool_dicts(), choice, state.tool_call_parser or "hermes")
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # tools that the choice cannot be made from
             raise RequestError(str(exc), param="tool_choice") from None
         so = StructuredOutputs("json", json.dumps(schema, ensure_ascii=False))
     return so, thinking
@@ -546,7 +555,11 @@ class _Run:
         self.index: dict[str, int] = {}
         self.procs: dict[int, OutputProcessor] = {}
         self.outs: dict[int, ChoiceOutput] = {}  # chat: reasoning and tool calls per choice
-        self.echo: dict[int, list[int]] = {}  # completions' echo: choice -> its prompt ids
+        self.echo: dict[int, tuple[list[int], str]] = {}  # echo: choice -> prompt ids, text
+        self.held_lps: dict[int, list] = {}  # stream: logprobs of tokens not yet sent
+        prompt = getattr(body, "prompt", None)  # echo gives a text prompt back as it came
+        texts = [prompt] if isinstance(prompt, str) else prompt or []
+        self.prompt_texts = {k: t for k, t in enumerate(texts) if isinstance(t, str)}
         self.prompt_lens: dict[int, int] = {}
         self.cached: dict[int, int] = {}  # choice -> prompt tokens served by the prefix cache
         self.text_offset: dict[int, int] = {}  # choice -> characters of logprob tokens so far
@@ -556,7 +569,12 @@ class _Run:
     async def start(self, jobs: list[tuple[int, list[int]]]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self._add_all, jobs, loop)
+            constraints = _constraints(self.body, self.state, self.chat)
+            if constraints[0] is not None:
+                async with self.state.grammar_slots:
+                    compile_ = self.state.engine.structured.compile
+                    await _in_daemon_thread(compile_, constraints[0])
+            await asyncio.to_thread(self._add_all, jobs, loop, constraints)
         except SteadyLMError as exc:
             self.abort_open()
             status = 503 if isinstance(exc, EngineDeadError) else 400
@@ -567,10 +585,9 @@ class _Run:
                 exc.param,
             ) from None
 
-    def _add_all(self, jobs, loop) -> None:
+    def _add_all(self, jobs, loop, constraints) -> None:
         """Every choice enters the engine between two steps, all or none."""
         eng = self.state.engine
-        constraints = _constraints(self.body, self.state, self.chat)
         params = [_sampling(self.body, self.state, self.chat, i, constraints) for i, _ in jobs]
         streams = self.state.async_engine.add_requests(
             [(ids, p) for (_, ids), p in zip(jobs, params)], loop=loop, sink=self.queue
@@ -581,7 +598,9 @@ class _Run:
             self.prompt_lens[i] = len(ids)
             self.lp_history[i] = list(ids[-LOGPROB_CONTEXT_TOKENS:])  # the first token's context
             if not self.chat and self.body.echo:
-                self.echo[i] = list(ids)
+                text = self.prompt_texts.get(i // self.body.n)
+                text = text if text is not None else self.state.tokenizer.decode(ids)
+                self.echo[i] = (list(ids), text)
                 self.lp_history[i] = []  # the prompt's own tokens are reported first
             self.procs[i] = OutputProcessor(
                 self.state.tokenizer,
@@ -645,11 +664,11 @@ class _Run:
 
     def _echoed(self, i: int, d: Delta, prompt_logprobs: list | None) -> Delta:
         """The choice's first delta with the prompt before it (completions' `echo`)."""
-        ids = self.echo.pop(i)
+        ids, text = self.echo.pop(i)
         lps = prompt_logprobs or [None] * len(ids)
         return dataclasses.replace(
             d,
-            text=self.state.tokenizer.decode(ids) + d.text,
+            text=text + d.text,
             token_ids=ids + d.token_ids,
             logprobs=lps + d.logprobs,
         )
@@ -679,7 +698,10 @@ class _Run:
                     errors.append(d.error)
         if errors:
             raise APIError(500, errors[0], "internal_server_error")
-        choices = [self._choice(i, texts[i], reasons.get(i), lps[i]) for i in sorted(self.procs)]
+        choices = [
+            self._choice(i, texts[i], reasons.get(i), await self._logprobs_of(i, lps[i]))
+            for i in sorted(self.procs)
+        ]
         obj = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,
@@ -690,8 +712,7 @@ class _Run:
             "usage": self._usage(),
         }
 
-    def _choice(self, i: int, text: str, reason: str | None, lps: list) -> dict:
-        logprobs = self._logprobs(i, lps) if self._wants_logprobs() else None
+    def _choice(self, i: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
         if self.chat:
             out = self.outs[i]
             return {
@@ -701,6 +722,15 @@ class _Run:
                 "finish_reason": out.finish_reason(reason),
             }
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    async def _logprobs_of(self, i: int, pairs: list) -> dict | None:
+        """`_logprobs` when asked for; a long list (an echoed prompt) is decoded off the event
+        loop, so other streams and /health go on meanwhile."""
+        if not self._wants_logprobs():
+            return None
+        if len(pairs) > LOGPROBS_INLINE:
+            return await asyncio.to_thread(self._logprobs, i, pairs)
+        return self._logprobs(i, pairs)
 
     def _wants_logprobs(self) -> bool:
         return bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
@@ -735,6 +765,15 @@ class _Run:
 
         def entry(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        rows = [  # a token the sampler was forced to (a grammar over a ban) may be -inf
+            (
+                t,
+                None if v is None else max(v, MIN_LOGPROB),
+                alts and [(k, max(w, MIN_LOGPROB)) for k, w in alts],
+            )
+            for t, v, alts in rows
+        ]
 
         if self.chat:
             content = [
@@ -781,13 +820,13 @@ class _Run:
                 yield _event(error_body(d.error, "internal_server_error", None, 500))
                 continue
             pieces = self.outs[i].feed(d.text, final=d.finished) if self.chat else []
+            # tokens whose text is held back keep their logprobs for the next chunk sent
+            held = self.held_lps.setdefault(i, [])
+            held += zip(d.token_ids, d.logprobs)
             if not (pieces if self.chat else d.text) and not d.finished:
                 continue
-            lps = (
-                self._logprobs(i, list(zip(d.token_ids, d.logprobs)))
-                if self._wants_logprobs()
-                else None
-            )
+            lps = await self._logprobs_of(i, held)
+            held.clear()
             if self.chat:
                 pieces = pieces or [{}]
                 for k, piece in enumerate(pieces):
@@ -813,6 +852,30 @@ class _Run:
         if opts is not None and opts.include_usage:
             yield _event({**head, "choices": [], "usage": self._usage()})
         yield "data: [DONE]\n\n"
+
+
+async def _in_daemon_thread(fn, *args):
+    """fn(*args) in a daemon thread, awaited: a call that never returns cannot hold up the
+    process's exit (asyncio.to_thread's pool threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():  # the awaiting request may have gone
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as exc:
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile (the server stopped)
+            pass
+
+    threading.Thread(target=work, name="steadylm-grammar", daemon=True).start()
+    return await future
 
 
 def _event(obj: dict) -> str:

@@ -69,7 +69,10 @@ class ChoiceOutput:
         return True
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.num_calls and reason == "stop" else reason
+        """ "tool_calls" when the model chose to call (auto, required); a named function was
+        the caller's choice, so it stays "stop" (as OpenAI and vLLM report it)."""
+        named = isinstance(self.forced, dict)
+        return "tool_calls" if self.num_calls and reason == "stop" and not named else reason
 
     def message(self, text: str) -> dict:
         """The whole choice's message (non-streaming)."""

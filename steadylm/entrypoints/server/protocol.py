@@ -359,7 +359,7 @@ class DetokenizeRequest(StrictModel):
 def _arguments(call: MessageToolCall) -> Any:
     try:
         value = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return call.function.arguments
     return value if isinstance(value, dict) else call.function.arguments
 

@@ -46,7 +46,7 @@ def _loads(text: str) -> Any:
     """The JSON value of `text` (surrounding whitespace allowed), or None when it is not JSON."""
     try:
         return _DECODER.decode(text)
-    except ValueError:  # json.JSONDecodeError is a ValueError
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to read
         return None
 
 
@@ -54,7 +54,7 @@ def _decode_at(text: str, i: int) -> tuple[Any, int] | None:
     """(value, end) of the JSON value starting exactly at text[i], or None."""
     try:
         return _DECODER.raw_decode(text, i)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -347,7 +347,10 @@ def _call_schema(name: str, fn: dict, key: str, defs: dict[str, dict]) -> dict:
     if not isinstance(params, dict):
         raise ValueError(f"tools: the parameters of function {name!r} must be a JSON schema")
     for defs_key in _DEFS_KEYS:
-        for def_name, schema in (params.pop(defs_key, None) or {}).items():
+        found = params.pop(defs_key, None) or {}
+        if not isinstance(found, dict):
+            raise ValueError(f"tools: {defs_key} of function {name!r} must be an object")
+        for def_name, schema in found.items():
             if defs.setdefault(defs_key, {}).setdefault(def_name, schema) != schema:
                 raise ValueError(
                     f"tools: {defs_key}/{def_name} has different schemas in different "
