@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -25,6 +26,30 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every process on the machine has used (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(fn):
+    """(fn's result, cores that other processes (and the hypervisor's steal) kept busy while
+    it ran, or None where /proc/stat is unavailable). A bandwidth read that others shared
+    reads low; report.py flags it."""
+    busy0, own0, wall0 = _busy_seconds(), time.process_time(), time.perf_counter()
+    result = fn()
+    busy1, own1, wall1 = _busy_seconds(), time.process_time(), time.perf_counter()
+    if busy0 is None or busy1 is None:
+        return result, None
+    others = (busy1 - busy0) - (own1 - own0)
+    return result, max(0.0, others) / (wall1 - wall0)
 
 
 def print_json(out: dict, path: str | None) -> None:
@@ -55,10 +80,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bw = read_bandwidth()
+    bw, others = measure(read_bandwidth)
     wb = step_weight_bytes(args.model)
     out = {
         "bandwidth_GBps": bw / 1e9,
+        "other_cpu_cores": None if others is None else round(others, 3),
         "step_weight_bytes": wb,
         "bound_step_ms": 1000 * wb / bw,
         "bound_tokens_per_s": bw / wb,

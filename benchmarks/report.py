@@ -66,12 +66,27 @@ BOUND_RUNS = [  # fp32 W2 runs that run_all.sh brackets with bandwidth readings
 ]
 
 
+CONTENDED_CORES = 0.25  # other processes busy on this many cores during a bandwidth read
+
+
+def contention(*readings: dict) -> str:
+    """A flag for bandwidth readings that other processes shared (they read low, and the bound
+    from them is too low), from membw.py's other_cpu_cores."""
+    busy = [r.get("other_cpu_cores") for r in readings]
+    worst = max((b for b in busy if b is not None), default=None)
+    if worst is None:
+        return "contention unknown"
+    if worst > CONTENDED_CORES:
+        return f"CONTENDED: other processes used {worst:.2f} cores during a bandwidth read"
+    return ""
+
+
 def bound_table(d: str) -> str:
     """W2 decode tok/s as a share of the bound from the bandwidth read just before and just
     after that run (their mean), so the machine's drift between runs cancels."""
     lines = [
-        "| engine | decode tok/s | GB/s before / after | bound tok/s | share of bound |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| engine | decode tok/s | GB/s before / after | bound tok/s | share of bound | note |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for label, tag in BOUND_RUNS:
         run = load(d, f"{tag}.json")
@@ -83,7 +98,8 @@ def bound_table(d: str) -> str:
         bound = (before["bound_tokens_per_s"] + after["bound_tokens_per_s"]) / 2
         lines.append(
             f"| {label} | {tps:.1f} | {before['bandwidth_GBps']:.1f} / "
-            f"{after['bandwidth_GBps']:.1f} | {bound:.1f} | {100 * tps / bound:.0f}% |"
+            f"{after['bandwidth_GBps']:.1f} | {bound:.1f} | {100 * tps / bound:.0f}% | "
+            f"{contention(before, after)} |"
         )
     return "\n".join(lines)
 
@@ -109,7 +125,7 @@ def main(argv=None) -> int:
         print(
             f"\nbandwidth {bw['bandwidth_GBps']:.1f} GB/s, weight bytes per step "
             f"{bw['step_weight_bytes']:,}, bound {bw['bound_tokens_per_s']:.1f} tok/s "
-            f"({bw['bound_step_ms']:.2f} ms/step)"
+            f"({bw['bound_step_ms']:.2f} ms/step) {contention(bw)}".rstrip()
         )
     print("\n### W2 against the bandwidth bound\n")
     print(bound_table(d))
