@@ -1,5 +1,6 @@
 """Write the benchmark model: a random-weight Llama of about 110M parameters (hidden 768,
-12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000), as a HF directory.
+12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, 32k positions), as a HF
+directory.
 
     python benchmarks/make_bench_model.py bench_out/llama-110m [--dtype float32]
 
@@ -29,7 +30,7 @@ def build(path: str, seed: int = 0, dtype: str = "float32", **shape) -> str:
         num_attention_heads=12,
         num_key_value_heads=4,
         intermediate_size=2048,
-        max_position_embeddings=4096,
+        max_position_embeddings=32768,  # the context workload decodes after 16k tokens
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,

@@ -13,6 +13,11 @@ WORKLOADS = {
     "W1": [(16, 256, 128)],
     "W2": [(1, 256, 128)],
     "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
+    # how cost grows with context: single-stream decode after a prompt of 256 ... 16k tokens,
+    # one 4k-token prefill (time to first token), and W1 with 4k-token prompts
+    "context": [(1, c, 64) for c in (256, 2048, 8192, 16384)],
+    "prefill4k": [(1, 4096, 1)],
+    "W1-4k": [(16, 4096, 128)],
 }
 
 

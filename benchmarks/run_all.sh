@@ -43,7 +43,14 @@ for w in W1 W2; do
   python benchmarks/peer_transformers.py --model $M --workload $w --dtype bfloat16 --json $OUT/hf-bf16-$w.json
   steadylm --log-level WARNING bench offline --model $OUT/llama-110m-awq --workload $w $KV --json $OUT/steadylm-awq-$w.json
 done
+# How cost grows with context (steadylm here; llama.cpp and openvino-genai below).
+for w in context prefill4k W1-4k; do
+  steadylm --log-level WARNING bench offline --model $M --workload $w --max-total-tokens 131072 --json $OUT/steadylm-fp32-$w.json
+done
 if [ $# -ge 2 ]; then
+  for w in context prefill4k W1-4k; do
+    peer llamacpp-$w "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload $w --json $OUT/llamacpp-$w.json
+  done
   peer llamacpp-W1 "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload W1 --json $OUT/llamacpp-W1.json
   peer llamacpp-W2 around_bw llamacpp-W2 "$1/bin/python" benchmarks/peer_llamacpp.py --gguf "$2" --workload W2 --json $OUT/llamacpp-W2.json
 fi
@@ -51,6 +58,9 @@ if [ -n "${OV_VENV:-}" ]; then
   for w in W1 W2 sweep; do
     if [ $w = W2 ]; then BW="around_bw ov-f32-W2"; else BW=""; fi
     peer ov-f32-$w $BW "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
+  done
+  for w in context prefill4k W1-4k; do
+    peer ov-f32-$w "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
   done
   for w in W1 W2; do
     peer ov-bf16-$w "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --precision bf16 --json $OUT/ov-bf16-$w.json

@@ -23,6 +23,11 @@ WORKLOADS = {  # name -> list of (num_prompts, input_len, output_len)
     "W1": [(16, 256, 128)],
     "W2": [(1, 256, 128)],
     "sweep": [(n, 256, 128) for n in (1, 4, 16, 64)],
+    # how cost grows with context: single-stream decode after a prompt of 256 ... 16k tokens,
+    # one 4k-token prefill (time to first token), and W1 with 4k-token prompts
+    "context": [(1, c, 64) for c in (256, 2048, 8192, 16384)],
+    "prefill4k": [(1, 4096, 1)],
+    "W1-4k": [(16, 4096, 128)],
 }
 
 
@@ -237,7 +242,9 @@ def add_parser(sub, add_engine_flags) -> None:
         "--workload",
         choices=sorted(WORKLOADS),
         default=None,
-        help="W1 (16x256->128), W2 (1x256->128), sweep (concurrency 1/4/16/64)",
+        help="W1 (16x256->128), W2 (1x256->128), sweep (concurrency 1/4/16/64), context "
+        "(1 stream decoding after 256 / 2k / 8k / 16k prompt tokens), prefill4k (one 4k-token "
+        "prompt), W1-4k (16x4096->128)",
     )
     off.add_argument("--threads", type=int, default=None, help="torch threads")
     srv = bsub.add_parser("serve", help="against a running steadylm serve")
