@@ -10,6 +10,7 @@ its own attention call.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -177,8 +178,7 @@ class ModelRunner:
         self.in_collectives = True
         hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
         sampling = [r for r in order if r.samples]
-        starts = torch.tensor([r.num_new_tokens for r in order]).cumsum(0).tolist()
-        starts = [0, *starts[:-1]]
+        starts = list(itertools.accumulate((r.num_new_tokens for r in order[:-1]), initial=0))
         self._score_prompt_positions(order, starts, hidden)
         if not sampling:
             self.in_collectives = False

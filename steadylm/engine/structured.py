@@ -62,6 +62,18 @@ class StructuredOutputs:
     def choice(cls, options: list[str]) -> StructuredOutputs:
         return cls("choice", json.dumps(list(options), ensure_ascii=False))
 
+    @classmethod
+    def json_schema(cls, schema: str | dict) -> StructuredOutputs:
+        """A JSON schema given as text, or as a value (serialised here)."""
+        if isinstance(schema, str):
+            return cls("json", schema)
+        try:
+            return cls("json", json.dumps(schema, ensure_ascii=False))
+        except (TypeError, ValueError) as exc:
+            raise RequestError(
+                f"the JSON schema is not JSON: {exc}", param="response_format.json_schema"
+            ) from None
+
 
 @dataclass(frozen=True)
 class ThinkingParams:
@@ -245,13 +257,13 @@ class StructuredOutputManager:
         if not constraints:
             return None
         rows = torch.zeros(len(constraints), self.bitmask_width, dtype=torch.int32)
-        grammar = [i for i, c in enumerate(constraints) if c.mode() != "end"]
+        modes = [c.mode() for c in constraints]
+        grammar = [i for i, mode in enumerate(modes) if mode != "end"]
         if grammar:
             self.compiler()  # the batch matcher is made with it
             matchers = [constraints[i].matcher for i in grammar]
             self._batch.batch_fill_next_token_bitmask(matchers, rows, indices=grammar)
-        for i, c in enumerate(constraints):
-            mode = c.mode()
+        for i, (c, mode) in enumerate(zip(constraints, modes)):
             if mode == "end":
                 _allow(rows[i], c.thinking.end_token_id)
             elif mode == "grammar+start":
@@ -296,7 +308,7 @@ def from_response_format(rf: dict | None) -> StructuredOutputs | None:
                 "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                 param="response_format.json_schema",
             )
-        return StructuredOutputs("json", spec if isinstance(spec, str) else _dump(spec))
+        return StructuredOutputs.json_schema(spec)
     if kind == "regex_schema":  # LMDeploy
         regex = rf.get("regex_schema")
         if not isinstance(regex, str) or not regex:
@@ -310,15 +322,6 @@ def from_response_format(rf: dict | None) -> StructuredOutputs | None:
         "or regex_schema",
         param="response_format.type",
     )
-
-
-def _dump(value: Any) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise RequestError(
-            f"the JSON schema is not JSON: {exc}", param="response_format.json_schema"
-        ) from None
 
 
 def _allow(row: torch.Tensor, token_id: int) -> None:
@@ -352,8 +355,9 @@ def _reason(exc: Exception) -> str:
     text = str(exc).strip()
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
-    if ": " in text and text.split(": ", 1)[0].endswith((".cc", ".h")) or ".cc:" in text:
-        text = text.split(": ", 1)[1] if ": " in text else text
+    head, sep, rest = text.partition(": ")
+    if sep and (head.endswith((".cc", ".h")) or ".cc:" in head or ".h:" in head):
+        text = rest  # "/project/cpp/regex_converter.cc:94: Regex parsing error ..."
     return text.splitlines()[0] if text else type(exc).__name__
 
 

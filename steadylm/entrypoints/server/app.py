@@ -758,22 +758,14 @@ class _Run:
             n = self.body.top_logprobs if self.chat else self.body.logprobs
             if lp is None:  # the first prompt token (echo): nothing before it to predict it
                 rows.append((text(t), None, None))
-            else:
-                rows.append((text(t), lp.get(t, 0.0), [(text(k), v) for k, v in top(lp, n)]))
+            else:  # a token forced over a ban (a grammar wins) may be -inf: JSON has no inf
+                alts = [(text(k), max(v, MIN_LOGPROB)) for k, v in top(lp, n)]
+                rows.append((text(t), max(lp.get(t, 0.0), MIN_LOGPROB), alts))
             history.append(t)
         del history[:-LOGPROB_CONTEXT_TOKENS]
 
         def entry(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        rows = [  # a token the sampler was forced to (a grammar over a ban) may be -inf
-            (
-                t,
-                None if v is None else max(v, MIN_LOGPROB),
-                alts and [(k, max(w, MIN_LOGPROB)) for k, w in alts],
-            )
-            for t, v, alts in rows
-        ]
 
         if self.chat:
             content = [
@@ -840,13 +832,12 @@ class _Run:
                     }
                     yield _event({**head, "choices": [choice]})
                 continue
-            else:
-                choice = {
-                    "index": i,
-                    "text": d.text,
-                    "logprobs": lps,
-                    "finish_reason": d.finish_reason,
-                }
+            choice = {
+                "index": i,
+                "text": d.text,
+                "logprobs": lps,
+                "finish_reason": d.finish_reason,
+            }
             yield _event({**head, "choices": [choice]})
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from steadylm.entrypoints.server.reasoning import ReasoningSplitter
-from steadylm.entrypoints.server.tool_parsers import ToolParser, parse_forced
+from steadylm.entrypoints.server.tool_parsers import ToolParser, call_deltas, parse_forced
 
 
 class ChoiceOutput:
@@ -28,7 +28,6 @@ class ChoiceOutput:
         self.parallel = parallel_tool_calls
         self.forced_text = ""
         self.num_calls = 0
-        self.reasoning = splitter is not None
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """The next piece of the choice's text -> the deltas to send now."""
@@ -50,12 +49,7 @@ class ChoiceOutput:
         calls = parse_forced(self.forced_text, self.forced)
         if not calls:  # cut short (max_tokens): what was written is the content
             return [{"content": self.forced_text}] if self.forced_text else []
-        out = []
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": call.id, "type": "function"}
-            out.append({"tool_calls": [{**head, "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-        return out
+        return [d for i, call in enumerate(calls) for d in call_deltas(i, call)]
 
     def _keep(self, delta: dict) -> bool:
         """Count calls; with parallel_tool_calls false, only the first call is kept."""
@@ -76,7 +70,7 @@ class ChoiceOutput:
 
     def message(self, text: str) -> dict:
         """The whole choice's message (non-streaming)."""
-        return merge_deltas(self.feed(text, final=True), self.reasoning)
+        return merge_deltas(self.feed(text, final=True), self.splitter is not None)
 
 
 def merge_deltas(deltas: list[dict], reasoning: bool) -> dict:

@@ -285,9 +285,17 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class WithTools(StrictModel):
+    """OpenAI's `tools` (function definitions), which also reach the chat template."""
+
     tools: list[ToolDef] | None = Field(None, max_length=1024)
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(WithTools, SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
@@ -297,9 +305,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def tool_dicts(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def tool_choice_value(self) -> Any:
         """ "none", "auto", "required" or {"type": "function", "function": {"name"}}; OpenAI's
@@ -328,7 +333,7 @@ class ChatCompletionRequest(SamplingFields):
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(WithTools):
     """vLLM's /tokenize: a text `prompt`, or chat `messages` through the chat template."""
 
     model: str | None = None
@@ -338,11 +343,7 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDef] | None = Field(None, max_length=1024)
     return_token_strs: bool = False
-
-    def tool_dicts(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -370,7 +371,7 @@ def _structured(kind: str, value: Any) -> StructuredOutputs:
             raise ValueError("a choice constraint is a list of strings")
         return StructuredOutputs.choice(value)
     if kind == "json" and isinstance(value, dict):
-        return StructuredOutputs("json", json.dumps(value, ensure_ascii=False))
+        return StructuredOutputs.json_schema(value)
     if not isinstance(value, str):
         raise ValueError(f"a {kind} constraint is a string")
     return StructuredOutputs(kind, value)

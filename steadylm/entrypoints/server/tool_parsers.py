@@ -150,12 +150,17 @@ class ToolParser:
         return [{"content": body}]
 
     def _emit(self, call: ToolCall) -> list[dict]:
-        index = self._n_calls
         self._n_calls += 1
-        head = {"index": index, "id": call.id, "type": "function"}
-        head["function"] = {"name": call.name, "arguments": ""}
-        args = {"index": index, "function": {"arguments": call.arguments}}
-        return [{"tool_calls": [head]}, {"tool_calls": [args]}]
+        return call_deltas(self._n_calls - 1, call)
+
+
+def call_deltas(index: int, call: ToolCall) -> list[dict]:
+    """Call `index` as OpenAI streams it: its id and name (empty arguments), then the
+    arguments."""
+    head = {"index": index, "id": call.id, "type": "function"}
+    head["function"] = {"name": call.name, "arguments": ""}
+    args = {"index": index, "function": {"arguments": call.arguments}}
+    return [{"tool_calls": [head]}, {"tool_calls": [args]}]
 
 
 class HermesToolParser(ToolParser):
