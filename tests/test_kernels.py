@@ -65,18 +65,27 @@ def test_silu_and_mul_matches_reference(dtype):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "num_seqs,heads,kv_heads,window",
-    [(1, 12, 4, 0), (1, 4, 4, 0), (3, 8, 2, 0), (2, 8, 2, 50), (9, 4, 1, 0)],
+    "num_seqs,heads,kv_heads,window,d",
+    [
+        (1, 12, 4, 0, 32),
+        (1, 4, 4, 0, 64),
+        (3, 8, 2, 0, 32),
+        (2, 8, 2, 50, 128),
+        (9, 4, 1, 0, 32),
+        (2, 6, 2, 0, 80),  # D not a multiple of every vector width
+        (1, 3, 1, 0, 36),  # a D tail below one vector
+    ],
 )
-def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window):
-    """Scattered block tables, lengths that end mid-block, spans split across threads (one
-    or two sequences), GQA and MHA, sliding windows."""
+def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window, d):
+    """Scattered block tables, lengths that end mid-block and span many chunks, spans split
+    across threads (one or two sequences), GQA and MHA, sliding windows, head sizes that fill
+    whole register passes or leave tails."""
     torch.manual_seed(0)
-    nb, bs, d = 40, 8, 32
+    nb, bs = 160, 8
     kc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
     vc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
-    lens = torch.tensor([1, 157, 83, 64, 9, 200, 31, 120, 77][:num_seqs])
-    tables = torch.stack([torch.randperm(nb)[:25] for _ in range(num_seqs)])
+    lens = torch.tensor([1000, 157, 83, 64, 1, 200, 31, 120, 77][:num_seqs])
+    tables = torch.stack([torch.randperm(nb)[:125] for _ in range(num_seqs)])
     q = torch.randn(num_seqs, heads, d, dtype=dtype)
     want = kernels.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.17, window)
     got = ops.paged_decode_attention(q, kc, vc, tables, lens, 0.17, window)

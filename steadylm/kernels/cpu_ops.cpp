@@ -21,7 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -165,9 +165,123 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // Query head h reads KV head h / (H / Hkv) (transformers' repeat_kv). A window W > 0 keeps
 // the last W positions. Keys are read where they lie: no gather, no padding.
 //
-// Work items are (sequence, span of positions), each reading its tokens' rows (all KV heads,
-// contiguous within a block) front to back, so the reads stream; a short batch splits each
-// context into spans across threads (flash-decoding) and merges the spans' partial softmaxes.
+// Work items are (sequence, span of positions); a short batch splits each context into spans
+// across threads (flash-decoding) and merges the spans' partial softmaxes. An item walks its
+// span in chunks of consecutive positions inside one block (contiguous rows of all KV heads,
+// so the reads stream) with an online softmax: the chunk's scores, the running max and sum
+// rescaled, then its values accumulated. At long context the kernel is bound by the bytes it
+// reads, so the arithmetic is laid out to keep up with memory: kDotKeys keys are scored
+// against a query head at once (independent FMA chains instead of one latency-bound chain
+// per key), and each head's output accumulates in registers across the chunk's values.
+constexpr int64_t kChunk = 64;   // positions per chunk (at most one block's)
+constexpr int kDotKeys = 8;      // keys scored together
+constexpr int64_t kValueKeys = 16;  // values accumulated per pass over a head's registers
+constexpr int kMaxRegVecs = 8;   // output vectors kept in registers per pass
+
+// out[i] = q . k_i for NK keys k_i = k + i * stride, each over D in kVec-wide FMAs.
+template <int NK>
+inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
+  Vec acc[NK];
+  for (int i = 0; i < NK; ++i) acc[i] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= D; d += kVec) {
+    const Vec qv = Vec::loadu(q + d);
+    for (int i = 0; i < NK; ++i) acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d), acc[i]);
+  }
+  if (d < D) {  // a partial vector: the lanes past D load as zeros
+    const Vec qv = Vec::loadu(q + d, D - d);
+    for (int i = 0; i < NK; ++i)
+      acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d, D - d), acc[i]);
+  }
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (NK == 8) {  // the 8 lane sums at once: a transposing hadd tree
+    const __m256 a01 = _mm256_hadd_ps(acc[0], acc[1]), a23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
+    // b0 = [k0 k1 k2 k3 | k0 k1 k2 k3] halves (low lanes, high lanes), b1 likewise for k4-7
+    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20), hi = _mm256_permute2f128_ps(b0, b1, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+    return;
+  }
+#endif
+  for (int i = 0; i < NK; ++i)
+    out[i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
+}
+
+// acc[0, NV * kVec) += sum over t < n of p[t] * v[t * stride + .], acc held in registers.
+template <int NV>
+inline void weighted_values(float* acc, const float* p, const float* v, int64_t stride,
+                            int64_t n) {
+  Vec a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(acc + i * kVec);
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec w(p[t]);
+    for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(w, Vec::loadu(v + t * stride + i * kVec), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) a[i].store(acc + i * kVec);
+}
+
+template <int NV = kMaxRegVecs>
+inline void weighted_values_n(int64_t nv, float* acc, const float* p, const float* v,
+                              int64_t stride, int64_t n) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return weighted_values_n<NV - 1>(nv, acc, p, v, stride, n);
+  }
+  weighted_values<NV>(acc, p, v, stride, n);
+}
+
+// The whole head: register passes of up to kMaxRegVecs vectors, a D tail element-wise.
+inline void weighted_values_head(float* acc, const float* p, const float* v, int64_t stride,
+                                 int64_t n, int64_t D) {
+  int64_t d = 0;
+  while (D - d >= kVec) {
+    const int64_t nv = std::min<int64_t>(kMaxRegVecs, (D - d) / kVec);
+    weighted_values_n(nv, acc + d, p, v + d, stride, n);
+    d += nv * kVec;
+  }
+  for (; d < D; ++d)
+    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * v[t * stride + d];
+}
+
+// Vectorised max of x[0, n) (-inf when n is 0).
+inline float max_of(const float* x, int64_t n) {
+  Vec m(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) m = at::vec::maximum(m, Vec::loadu(x + i));
+  float r = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+// x[i] = exp(x[i] - m) for i < n; returns their sum.
+inline float exp_sum(float* x, int64_t n, float m) {
+  const Vec mv(m);
+  Vec s(0.f);
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    const Vec e = (Vec::loadu(x + i) - mv).exp_u20();
+    e.store(x + i);
+    s = s + e;
+  }
+  float r = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    r += x[i];
+  }
+  return r;
+}
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  int64_t i = 0;
+  for (; i + BVec::size() <= n; i += BVec::size()) {
+    auto [lo, hi] = at::vec::convert_bfloat16_float(BVec::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + kVec);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                            const at::Tensor& tables, const at::Tensor& lens, double scale,
@@ -185,13 +299,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const int64_t row = hkv * D;  // elements per cached token
   const float sc = static_cast<float>(scale);
   constexpr int64_t kMinSpan = 64;
+  constexpr bool kInPlace = std::is_same<T, float>::value;
   const int64_t threads = at::get_num_threads();
   const int64_t spans = S >= threads ? 1 : (threads + S - 1) / S;
   // Partials per (sequence, span, head): running max, sum of exp, unnormalised output.
   std::vector<float> pmax(S * spans * H, -std::numeric_limits<float>::infinity());
   std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
   at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(H * D), p;
+    std::vector<float> qf(H * D), p(H * kChunk), kbuf, vbuf;
+    if (!kInPlace) kbuf.resize(kChunk * row), vbuf.resize(kChunk * row);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t s = item / spans, span = item % spans;
       const int64_t ctx = lp[s];
@@ -199,48 +315,59 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       const int64_t len = std::max<int64_t>(kMinSpan, (ctx - first + spans - 1) / spans);
       const int64_t lo = first + span * len, hi = std::min(ctx, lo + len);
       if (lo >= hi) continue;
-      const int64_t n = hi - lo;
       const int64_t* table = tp + s * max_blocks;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qp[s * qs + h * D + d]) * sc;
-      p.resize(H * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* k = kp + (table[pos / bs] * bs + pos % bs) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qf.data() + h * D;
-          const T* kh = k + (h / G) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f(kh[d]);
-          p[h * n + t] = dot;
-        }
-      }
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(qp[s * qs + i]) * sc;
       float* mx = pmax.data() + item * H;
       float* sm = psum.data() + item * H;
       float* acc = pacc.data() + item * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float* ph = p.data() + h * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, ph[t]);
-        for (int64_t t = 0; t < n; ++t) ph[t] -= m;
-        exp_inplace(ph, n);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) sum += ph[t];
-        mx[h] = m;
-        sm[h] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* v = vp + (table[pos / bs] * bs + pos % bs) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float w = p[h * n + t];
-          const T* vh = v + (h / G) * D;
-          float* a = acc + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * to_f(vh[d]);
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t off = pos % bs;
+        const int64_t n = std::min({kChunk, bs - off, hi - pos});
+        const int64_t slot = table[pos / bs] * bs + off;
+        const float* k;
+        const float* v;
+        if constexpr (kInPlace) {
+          k = kp + slot * row;
+          v = vp + slot * row;
+        } else {
+          to_float(kp + slot * row, kbuf.data(), n * row);
+          to_float(vp + slot * row, vbuf.data(), n * row);
+          k = kbuf.data();
+          v = vbuf.data();
         }
+        // Scores: each group of kDotKeys keys (whole rows, every KV head) is scored against
+        // all query heads while it is in L1, so the chunk is read front to back once.
+        int64_t t = 0;
+        for (; t + kDotKeys <= n; t += kDotKeys)
+          for (int64_t h = 0; h < H; ++h)
+            dot_keys<kDotKeys>(qf.data() + h * D, k + t * row + (h / G) * D, row, D,
+                               p.data() + h * kChunk + t);
+        for (; t < n; ++t)
+          for (int64_t h = 0; h < H; ++h)
+            dot_keys<1>(qf.data() + h * D, k + t * row + (h / G) * D, row, D,
+                        p.data() + h * kChunk + t);
+        // Online softmax: what came before is rescaled to the new running max.
+        for (int64_t h = 0; h < H; ++h) {
+          float* ph = p.data() + h * kChunk;
+          const float m = std::max(mx[h], max_of(ph, n));
+          if (m > mx[h]) {
+            const float f = std::exp(mx[h] - m);  // 0 for the first chunk
+            sm[h] *= f;
+            float* a = acc + h * D;
+            for (int64_t d = 0; d < D; ++d) a[d] *= f;
+            mx[h] = m;
+          }
+          sm[h] += exp_sum(ph, n, m);
+        }
+        // Values, in groups of kValueKeys positions read front to back, each group
+        // accumulated into every head's output (kept in L1).
+        for (int64_t t0 = 0; t0 < n; t0 += kValueKeys) {
+          const int64_t nt = std::min(kValueKeys, n - t0);
+          for (int64_t h = 0; h < H; ++h)
+            weighted_values_head(acc + h * D, p.data() + h * kChunk + t0,
+                                 v + t0 * row + (h / G) * D, row, nt, D);
+        }
+        pos += n;
       }
     }
   });
@@ -567,7 +694,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
 //   bf16: (N / 64, K / 2, 64, 2)   w[n, k] at (((n / 64) * K + k - k % 2) * 64 + n % 64 * 2 + k % 2)
 // One 64-row block per task: its K * 64 weights are one sequential stream, and every x value
-// is broadcast against 64 outputs (4 AVX-512 accumulators per batch row).
+// is broadcast against 64 outputs (4 AVX-512 accumulators per batch row; AVX2 below). oneDNN
+// packs fp32 weights in the same (N / 64, K, 64) blocks on AVX2 as on AVX-512 (checked per
+// layer all the same).
 #if defined(__AVX512F__)
 constexpr int64_t kPackBlock = 64;
 constexpr int64_t kPrefetch = 2048;  // floats ahead (8 KiB); 4 and 16 KiB within noise
@@ -644,7 +773,50 @@ void packed_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFlo
 #else
 constexpr bool kPackedBf16 = false;
 #endif
-#endif  // __AVX512F__
+#elif defined(__AVX2__)
+// AVX2 (16 vector registers): a pass covers V of the block's eight 8-wide column vectors for
+// all M rows (M * V accumulators, the weights read as FMA memory operands); more rows take
+// more passes over the block, whose K * 64 weights are still in L2 for the passes after the
+// first.
+constexpr int64_t kPackBlock = 64;
+constexpr int64_t kPrefetch = 2048;
+constexpr bool kPackedBf16 = false;
+
+template <int M>
+void packed_gemv(const float* x, const float* w, const float* bias, float* y, int64_t n,
+                 int64_t k) {
+  constexpr int V = M == 1 ? 8 : (M <= 3 ? 4 : 2);
+  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* wb = w + b * k * kPackBlock;
+      for (int64_t c0 = 0; c0 < kPackBlock; c0 += 8 * V) {
+        __m256 acc[M][V];
+        for (int m = 0; m < M; ++m)
+          for (int v = 0; v < V; ++v) acc[m][v] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; ++i) {
+          const float* wr = wb + i * kPackBlock + c0;
+          if (c0 == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), _MM_HINT_T0);
+          }
+          for (int m = 0; m < M; ++m) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * k + i);
+            for (int v = 0; v < V; ++v)
+              acc[m][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr + 8 * v), acc[m][v]);
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          for (int v = 0; v < V; ++v) {
+            const int64_t col = b * kPackBlock + c0 + 8 * v;
+            __m256 r = acc[m][v];
+            if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + col));
+            _mm256_storeu_ps(y + m * n + col, r);
+          }
+      }
+    }
+  });
+}
+#endif  // __AVX512F__ / __AVX2__
 
 constexpr int64_t kPackedMaxRows = 4;
 
@@ -660,7 +832,7 @@ void by_rows(int64_t m, F&& f) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 // y = x @ W^T (+ bias) through the packed_gemv overload for T, at x's row count.
 template <typename T>
 at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bias, at::Tensor y,
@@ -675,9 +847,9 @@ at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bia
 }
 #endif
 
-// The layouts this build reads: "" when none (not AVX-512), else e.g. "f32,bf16".
+// The layouts this build reads: "" when none (neither AVX-512 nor AVX2), else e.g. "f32,bf16".
 std::string packed_linear_layouts() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   return kPackedBf16 ? "f32,bf16" : "f32";
 #else
   return "";
@@ -698,7 +870,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type(),
                 "packed_linear: bias must be a contiguous (N,) tensor of x's dtype");
   auto y = at::empty({m, n}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   const at::Tensor* b = has_bias ? &*bias : nullptr;
   if (x.scalar_type() == at::kFloat) return run_packed<float>(x, weight, b, y, n);
 #if defined(__AVX512BF16__)
