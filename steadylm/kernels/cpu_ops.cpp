@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -178,7 +179,8 @@ constexpr int kDotKeys = 8;      // keys scored together
 constexpr int64_t kValueKeys = 16;  // values accumulated per pass over a head's registers
 constexpr int kMaxRegVecs = 8;   // output vectors kept in registers per pass
 
-// out[i] = q . k_i for NK keys k_i = k + i * stride, each over D in kVec-wide FMAs.
+// out[i] = q . k_i for NK keys k_i = k + i * stride, each over D in kVec-wide FMAs. Each key's
+// FMAs and lane sum are the same whatever NK is (the quantized kernel below relies on it).
 template <int NK>
 inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
   Vec acc[NK];
@@ -203,9 +205,16 @@ inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
     return;
   }
-#endif
+  // Fewer keys: the same tree lane by lane, so a key's score never depends on its group.
+  for (int i = 0; i < NK; ++i) {
+    float l[8];
+    acc[i].store(l);
+    out[i] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  }
+#else
   for (int i = 0; i < NK; ++i)
     out[i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
+#endif
 }
 
 // acc[0, NV * kVec) += sum over t < n of p[t] * v[t * stride + .], acc held in registers.
@@ -301,7 +310,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   constexpr int64_t kMinSpan = 64;
   constexpr bool kInPlace = std::is_same<T, float>::value;
   const int64_t threads = at::get_num_threads();
-  const int64_t spans = S >= threads ? 1 : (threads + S - 1) / S;
+  // Enough (sequence, span) items that every thread gets the same number: a batch smaller
+  // than a few per thread splits each context into threads / gcd(S, threads) spans.
+  const int64_t spans = S >= 4 * threads ? 1 : threads / std::gcd(S, threads);
   // Partials per (sequence, span, head): running max, sum of exp, unnormalised output.
   std::vector<float> pmax(S * spans * H, -std::numeric_limits<float>::infinity());
   std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
@@ -444,18 +455,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 constexpr int64_t kSpan = 256;
 constexpr int64_t kQTile = 16;
 
-// q . k over D in a fixed order: kVec-wide fused multiply-adds front to back (a partial load
-// for a D tail), then the lanes summed by at::vec's fixed shuffle tree. Every dot of the kernel
-// goes through here, so a key's score does not depend on which rows share its tile.
-inline float dot_fixed(const float* q, const float* k, int64_t D) {
-  Vec acc(0.f);
-  for (int64_t d = 0; d < D; d += kVec) {
-    const int64_t r = std::min<int64_t>(kVec, D - d);
-    acc = at::vec::fmadd(Vec::loadu(q + d, r), Vec::loadu(k + d, r), acc);
-  }
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-}
-
 // acc[d] += w * v[d], fused, for every d (a D tail takes the same op on a partial load).
 inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
   const Vec wv(w);
@@ -568,39 +567,47 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d)
               qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
-        // Scores, key by key: each key row is read once for the tile's rows and G heads.
-        for (int64_t pos = lo; pos < hi; ++pos) {
+        // Rows of K (and V) are `stride` apart: a whole block's run in place, the span in
+        // the dequantized buffers. Scores go by runs of up to kDotKeys keys (aligned to
+        // absolute positions, inside one block), each run read once for the tile's rows and
+        // G heads; dot_keys gives a key the same bits whether it is scored in a run or alone.
+        const int64_t stride = kr.in_place() ? hkv * D : D;
+        auto run_end = [&](int64_t pos, int64_t limit, int64_t align) {
+          int64_t end = std::min(limit, (pos / align + 1) * align);
+          return kr.in_place() ? std::min(end, (pos / bs + 1) * bs) : end;
+        };
+        for (int64_t pos = lo; pos < hi;) {
+          const int64_t end = run_end(pos, hi, kDotKeys);
           const float* k = krow(pos);
           for (int64_t r = 0; r < t1 - t0; ++r) {
-            if (pos < ra[r] || pos >= rb[r]) continue;
-            for (int64_t g = 0; g < G; ++g)
-              p[(r * G + g) * kSpan + pos - s_lo] = dot_fixed(qf.data() + (r * G + g) * D, k, D);
+            const int64_t a = std::max(pos, ra[r]), b = std::min(end, rb[r]);
+            for (int64_t g = 0; g < G && a < b; ++g) {
+              const float* qh = qf.data() + (r * G + g) * D;
+              float* out = p.data() + (r * G + g) * kSpan - s_lo;
+              if (b - a == kDotKeys) {
+                dot_keys<kDotKeys>(qh, k, stride, D, out + a);
+              } else {
+                for (int64_t x = a; x < b; ++x)
+                  dot_keys<1>(qh, k + (x - pos) * stride, stride, D, out + x);
+              }
+            }
           }
+          pos = end;
         }
         for (int64_t r = 0; r < t1 - t0; ++r) {
           if (ra[r] >= rb[r]) continue;
           const int64_t n = rb[r] - ra[r];
           for (int64_t g = 0; g < G; ++g) {
             float* pr = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
-            float m = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < n; ++j) m = std::max(m, pr[j]);
-            for (int64_t j = 0; j < n; ++j) pr[j] -= m;
-            exp_inplace(pr, n);
-            float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) sum += pr[j];
+            const float m = max_of(pr, n);
             const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
             pmax[i] = m;
-            psum[i] = sum;
-          }
-        }
-        // Values, key by key, each (row, head) accumulating in position order.
-        for (int64_t pos = lo; pos < hi; ++pos) {
-          const float* v = vrow(pos);
-          for (int64_t r = 0; r < t1 - t0; ++r) {
-            if (pos < ra[r] || pos >= rb[r]) continue;
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
-              axpy_fixed(p[(r * G + g) * kSpan + pos - s_lo], v, pacc.data() + i * D, D);
+            psum[i] = exp_sum(pr, n, m);
+            // Values in position order, each run accumulated in registers.
+            for (int64_t x = ra[r]; x < rb[r];) {
+              const int64_t end = run_end(x, rb[r], kSpan);
+              weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride, end - x, D);
+              x = end;
             }
           }
         }

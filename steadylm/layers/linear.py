@@ -8,7 +8,8 @@ a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend do
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
 faster for bf16 too. At batch 1-4 (decode) the same packed buffer is read in place by
 `kernels.packed_linear`, a GEMV that streamed the weights at 0.86-0.93 of a plain memory
-read's rate where oneDNN's matmul reached 0.75-0.81 (docs/benchmarks.md); one copy stays.
+read's rate where oneDNN's matmul reached 0.75-0.81 on AVX-512, and 0.78 against 0.65 on an
+AVX2-only CPU (fp32; docs/benchmarks.md); one copy stays.
 `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
