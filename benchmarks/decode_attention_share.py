@@ -23,18 +23,9 @@ import torch
 from steadylm import kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from membw import print_json  # noqa: E402
+from membw import best_time, print_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 64
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure(attend, ctx: int, dtype: torch.dtype, layers: int, seconds: float) -> dict:
@@ -58,7 +49,7 @@ def measure(attend, ctx: int, dtype: torch.dtype, layers: int, seconds: float) -
     ratios, times = [], []
     t0 = time.time()
     while not ratios or time.time() - t0 < seconds:  # at least one round
-        r, a = _best(read, 3), _best(attention, 3)
+        r, a = best_time(read, 3), best_time(attention, 3)
         ratios.append(a / r)
         times.append(a)
     return {

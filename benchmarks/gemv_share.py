@@ -23,19 +23,10 @@ import torch
 from steadylm.layers.linear import OneDNNDenseKernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from membw import print_json  # noqa: E402
+from membw import best_time, print_json  # noqa: E402
 
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]
 LM_HEAD = (32000, 768)
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv=None) -> int:
@@ -69,10 +60,10 @@ def main(argv=None) -> int:
     shares: dict[str, list[float]] = {"gemv": [], "onednn": []}
     t0 = time.time()
     while not shares["gemv"] or time.time() - t0 < args.seconds:  # at least one round
-        read = (1 << 30) / _best(buf.sum, 3)
+        read = (1 << 30) / best_time(buf.sum, 3)
         for name in shares:
             set_gemv(name == "gemv")
-            shares[name].append(nbytes / _best(step, 5) / read)
+            shares[name].append(nbytes / best_time(step, 5) / read)
     out = {name: statistics.median(v) for name, v in shares.items()}
     out["rounds"] = len(shares["gemv"])
     print_json(out, args.json)

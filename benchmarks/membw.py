@@ -18,6 +18,16 @@ import time
 import torch
 
 
+def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of fn, in seconds (the VM's noise only ever adds)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     buf = torch.ones(nbytes // 4)
     best = float("inf")
