@@ -188,7 +188,8 @@ inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
   int64_t d = 0;
   for (; d + kVec <= D; d += kVec) {
     const Vec qv = Vec::loadu(q + d);
-    for (int i = 0; i < NK; ++i) acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d), acc[i]);
+    for (int i = 0; i < NK; ++i)
+      acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d), acc[i]);
   }
   if (d < D) {  // a partial vector: the lanes past D load as zeros
     const Vec qv = Vec::loadu(q + d, D - d);
@@ -201,7 +202,8 @@ inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
     const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
     const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
     // b0 = [k0 k1 k2 k3 | k0 k1 k2 k3] halves (low lanes, high lanes), b1 likewise for k4-7
-    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20), hi = _mm256_permute2f128_ps(b0, b1, 0x31);
+    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(b0, b1, 0x31);
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
     return;
   }
@@ -225,7 +227,8 @@ inline void weighted_values(float* acc, const float* p, const float* v, int64_t 
   for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(acc + i * kVec);
   for (int64_t t = 0; t < n; ++t) {
     const Vec w(p[t]);
-    for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(w, Vec::loadu(v + t * stride + i * kVec), a[i]);
+    for (int i = 0; i < NV; ++i)
+      a[i] = at::vec::fmadd(w, Vec::loadu(v + t * stride + i * kVec), a[i]);
   }
   for (int i = 0; i < NV; ++i) a[i].store(acc + i * kVec);
 }
@@ -257,7 +260,8 @@ inline float max_of(const float* x, int64_t n) {
   Vec m(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) m = at::vec::maximum(m, Vec::loadu(x + i));
-  float r = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+  float r =
+      at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
   for (; i < n; ++i) r = std::max(r, x[i]);
   return r;
 }
@@ -572,16 +576,16 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         // absolute positions, inside one block), each run read once for the tile's rows and
         // G heads; dot_keys gives a key the same bits whether it is scored in a run or alone.
         const int64_t stride = kr.in_place() ? hkv * D : D;
-        auto run_end = [&](int64_t pos, int64_t limit, int64_t align) {
-          int64_t end = std::min(limit, (pos / align + 1) * align);
-          return kr.in_place() ? std::min(end, (pos / bs + 1) * bs) : end;
+        auto run_end = [&](int64_t pos, int64_t limit) {  // the run of rows from pos
+          return kr.in_place() ? std::min(limit, (pos / bs + 1) * bs) : limit;
         };
         for (int64_t pos = lo; pos < hi;) {
-          const int64_t end = run_end(pos, hi, kDotKeys);
+          const int64_t end = run_end(pos, std::min(hi, (pos / kDotKeys + 1) * kDotKeys));
           const float* k = krow(pos);
           for (int64_t r = 0; r < t1 - t0; ++r) {
             const int64_t a = std::max(pos, ra[r]), b = std::min(end, rb[r]);
-            for (int64_t g = 0; g < G && a < b; ++g) {
+            if (a >= b) continue;
+            for (int64_t g = 0; g < G; ++g) {
               const float* qh = qf.data() + (r * G + g) * D;
               float* out = p.data() + (r * G + g) * kSpan - s_lo;
               if (b - a == kDotKeys) {
@@ -605,8 +609,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
             psum[i] = exp_sum(pr, n, m);
             // Values in position order, each run accumulated in registers.
             for (int64_t x = ra[r]; x < rb[r];) {
-              const int64_t end = run_end(x, rb[r], kSpan);
-              weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride, end - x, D);
+              const int64_t end = run_end(x, rb[r]);
+              weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride, end - x,
+                                   D);
               x = end;
             }
           }
