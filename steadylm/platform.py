@@ -4,6 +4,10 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_GEMM`: `onednn` (default) or `torch`, the dense matmul on the CPU.
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
+- `STEADYLM_ATTENTION_BACKEND`: `auto` (default: Triton on CUDA where triton imports, else the
+  torch reference), `torch` or `triton` (vLLM users know it as `VLLM_ATTENTION_BACKEND`).
+- `TRITON_INTERPRET=1` (Triton's own): Triton kernels run on CPU tensors in Triton's
+  interpreter; the tests use it to check every kernel against its torch reference.
 """
 
 from __future__ import annotations
@@ -130,6 +134,39 @@ def cpu_allreduce() -> str:
 def cpu_kernels() -> str:
     """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
     return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (on CPU tensors). Triton reads the
+    variable when a kernel is defined, so it must be set before steadylm's kernels import."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether steadylm's Triton kernels can run on `device`: compiled on CUDA, or interpreted
+    on the CPU under TRITON_INTERPRET=1."""
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not triton_interpreted()):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attention_backend(device: torch.device) -> str:
+    """The attention backend for `device`: `STEADYLM_ATTENTION_BACKEND` (auto / torch /
+    triton); auto is Triton on CUDA where it can run, the torch reference otherwise."""
+    choice = _choice("STEADYLM_ATTENTION_BACKEND", ("auto", "torch", "triton"))
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+    if choice == "triton" and not triton_usable(device):
+        raise ConfigError(
+            f"STEADYLM_ATTENTION_BACKEND=triton cannot run on {device.type}: Triton kernels "
+            "need a CUDA device (or TRITON_INTERPRET=1 on the CPU, for tests)",
+            param="STEADYLM_ATTENTION_BACKEND",
+        )
+    return choice
 
 
 def tune_cpu_allocator() -> bool:
