@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -215,7 +216,8 @@ inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
   }
 #else
   for (int i = 0; i < NK; ++i)
-    out[i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
+    out[i] = at::vec::vec_reduce_all<float>(
+        [](const Vec& x, const Vec& y) { return x + y; }, acc[i]);
 #endif
 }
 
@@ -261,7 +263,8 @@ inline float max_of(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) m = at::vec::maximum(m, Vec::loadu(x + i));
   float r =
-      at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+      at::vec::vec_reduce_all<float>(
+          [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, m);
   for (; i < n; ++i) r = std::max(r, x[i]);
   return r;
 }
@@ -276,7 +279,8 @@ inline float exp_sum(float* x, int64_t n, float m) {
     e.store(x + i);
     s = s + e;
   }
-  float r = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
+  float r =
+      at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, s);
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);
     r += x[i];
