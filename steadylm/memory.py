@@ -107,16 +107,22 @@ def linear_bytes(
     """Weight bytes of one linear layer (no bias).
 
     AWQ "checkpoint" layout (AutoAWQ GEMM): qweight int32 (in, out/8), qzeros int32
-    (in/g, out/8), scales fp16 (in/g, out). "runtime": what steadylm holds after repacking for
-    torch's int4 kernel, the 4-bit codes (in * out / 2 bytes) plus bf16 scale and zero per group
-    and output (in/g, out, 2); layers whose shape the kernel cannot take (out % 16) keep the
-    checkpoint layout and use the reference kernel."""
+    (in/g, out/8), scales fp16 (in/g, out). "runtime": what steadylm holds on the CPU after
+    repacking for torch's int4 kernel, the 4-bit codes (in * out / 2 bytes) plus bf16 scale and
+    zero per group and output (in/g, out, 2); layers whose shape the kernel cannot take
+    (out % 16) keep the checkpoint layout and use the reference kernel. "cuda": the checkpoint
+    layout, which the Triton GEMM reads in place."""
     if awq_group is None:
         return n_in * n_out * dtype_bytes
     groups = math.ceil(n_in / awq_group)
     if layout == "runtime" and n_out % 16 == 0 and awq_group in (32, 64, 128, 256):
         return n_in * n_out // 2 + groups * n_out * 2 * 2
     return n_in * n_out // 2 + groups * n_out // 2 + groups * n_out * 2
+
+
+def awq_layout(device_type: str) -> str:
+    """The AWQ weight layout steadylm holds on a device type (see `linear_bytes`)."""
+    return "cuda" if device_type == "cuda" else "runtime"
 
 
 def weight_bytes_from_config(

@@ -443,7 +443,9 @@ def test_plan_cli_prints_per_rank_figures(capsys):
     j = json.loads(capsys.readouterr().out)
     assert j["tp"] == 2 and j["kv_bytes_per_token"] == 64 * 2 * 4 * 128 * 2
     mc = ModelConfig.from_path(catalog.model_config_path(argv[1]))
-    assert j["weight_bytes"] == weight_bytes_from_config(mc, 2, 2, "runtime")
+    assert j["weight_bytes"] == weight_bytes_from_config(
+        mc, 2, 2, "cuda"
+    )  # a GPU plan: the layout Triton reads
     assert re.search(rf"weights \(per rank\) +{fmt_bytes(j['weight_bytes'])}\n", out)
     assert main(argv) == 0
     single = capsys.readouterr().out

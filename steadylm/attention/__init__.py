@@ -1,4 +1,5 @@
-"""Attention backends behind one small interface; `torch_ref` is the pure-torch reference."""
+"""Attention backends behind one small interface: `torch_ref`, the pure-torch reference (and
+the oracle in tests), and `triton_attn`, the Triton kernels (CUDA)."""
 
 from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
 
@@ -8,7 +9,11 @@ def get_backend(name: str = "torch") -> AttentionBackend:
         from steadylm.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "triton":  # imported only where chosen: triton need not be installed
+        from steadylm.attention.triton_attn import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")
 
 
 __all__ = ["AttentionBackend", "AttentionGroup", "AttentionMetadata", "KVCache", "get_backend"]

@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from steadylm import kernels
-from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
+from steadylm.attention.base import (
+    AttentionBackend,
+    AttentionGroup,
+    AttentionMetadata,
+    KVCache,
+)
 
 _LEVELS = {8: 255, 4: 15}
 
@@ -52,34 +57,6 @@ def dequantize_kv(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> t
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-
-    def allocate(
-        self,
-        num_layers,
-        num_blocks,
-        block_size,
-        num_kv_heads,
-        head_dim,
-        dtype,
-        device,
-        quant_policy=0,
-    ) -> KVCache:
-        # Uninitialised on purpose: blocks are zeroed the first time they are used
-        # (_zero_new_blocks), so on CPU the pages cost memory only once used.
-        shape = (num_layers, num_blocks, block_size, num_kv_heads)
-        if quant_policy == 0:
-            return KVCache(
-                k=torch.empty(*shape, head_dim, dtype=dtype, device=device),
-                v=torch.empty(*shape, head_dim, dtype=dtype, device=device),
-            )
-        width = head_dim if quant_policy == 8 else head_dim // 2
-        return KVCache(
-            k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-            v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-            quant_policy=quant_policy,
-            k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-            v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-        )
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         _zero_new_blocks(cache, md)

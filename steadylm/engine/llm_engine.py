@@ -128,7 +128,7 @@ class LLMEngine:
         cls, model_dir: str, config: EngineConfig | None = None, tokenizer: Any = None
     ) -> LLMEngine:
         from steadylm.loader import load_model, safetensors_files, weight_bytes_from_files
-        from steadylm.memory import weight_bytes_from_config
+        from steadylm.memory import awq_layout, weight_bytes_from_config
 
         config = config or EngineConfig()
         mc = ModelConfig.from_path(model_dir)
@@ -140,7 +140,8 @@ class LLMEngine:
         files = safetensors_files(model_dir)
         if mc.quantization or config.tp > 1:  # per rank / the repacked int4 layout
             size = torch.tensor([], dtype=dtype).element_size()
-            weights = weight_bytes_from_config(mc, size, config.tp, layout="runtime")
+            layout = awq_layout(device.type)
+            weights = weight_bytes_from_config(mc, size, config.tp, layout=layout)
         else:
             weights = weight_bytes_from_files(files, dtype)
         plan = make_plan(mc, config, device, dtype, weights)

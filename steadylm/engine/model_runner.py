@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from steadylm import platform
 from steadylm.attention import (
     AttentionBackend,
     AttentionGroup,
@@ -117,7 +118,7 @@ class ModelRunner:
     ) -> ModelRunner:
         """A runner with this rank's KV cache: exactly the plan's blocks, with the model's
         (this rank's) KV heads."""
-        backend = get_backend("torch")
+        backend = get_backend(platform.attention_backend(device))
         kv_cache = backend.allocate(
             model.cfg.num_layers,
             plan.num_blocks,

@@ -17,6 +17,7 @@ from steadylm.memory import (
     DeviceMemory,
     GiB,
     MemoryPlan,
+    awq_layout,
     fmt_bytes,
     plan_memory,
     tp_shape,
@@ -142,9 +143,11 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
     )
     weights = None
     if mc.quantization or args.tp > 1:
-        # AWQ: the repacked int4 layout steadylm holds; tp > 1: one rank's shards, which the
-        # architecture gives exactly (a file total cannot say what each rank holds)
-        weights = weight_bytes_from_config(mc, DTYPE_BYTES[dtype], args.tp, layout="runtime")
+        # AWQ: the layout steadylm holds on that device (memory.linear_bytes); tp > 1: one
+        # rank's shards, which the architecture gives exactly (a file total cannot say what
+        # each rank holds)
+        layout = awq_layout("cpu" if args.gpu in (None, "cpu") and not args.gpu_memory else "cuda")
+        weights = weight_bytes_from_config(mc, DTYPE_BYTES[dtype], args.tp, layout=layout)
     elif model_dir is not None:
         from steadylm.loader import safetensors_files, weight_bytes_from_files
 

@@ -1,4 +1,4 @@
-"""AWQ 4-bit weights (W4A16), kept in 4 bits, on torch's own int4 weight-only matmul.
+"""AWQ 4-bit weights (W4A16), kept in 4 bits: a Triton GEMM on CUDA, torch's int4 matmul on CPU.
 
 Checkpoint format (AutoAWQ, `version: gemm`), for a linear layer with K inputs, N outputs and
 group size g:
@@ -11,11 +11,16 @@ group size g:
 (AutoAWQ's `pack` in awq/modules/linear/gemm.py and the `AWQ_ORDER` / `AWQ_REVERSE_ORDER`
 constants of its utils/packing_utils.py.)
 
-At load time the codes are repacked for a kernel behind `Int4Kernel`: torch's
-`_weight_int4pack_mm_for_cpu` (activations in bf16: measured fastest on this CPU, see
-docs/benchmarks.md), `_weight_int4pack_mm` on CUDA, or the pure-torch reference
-(dequantize, then matmul) where a kernel's shape rules are not met. The kernels' affine form
-is w = (q - 8) * scale + zero, so zero = (8 - z) * s.
+What runs where, behind `Int4Kernel` (chosen once per layer at load):
+- CUDA, where Triton runs: `kernels/triton_awq.py`, a W4A16 GEMM that reads qweight / qzeros /
+  scales in place (no repack) and dots in the activation dtype (fp16 / bf16).
+- CUDA without Triton: torch's `_weight_int4pack_mm` on the codes repacked into its tile layout.
+- CPU: torch's `_weight_int4pack_mm_for_cpu` (activations in bf16: measured fastest on this CPU,
+  see docs/benchmarks.md).
+- Anywhere a kernel's shape rules are not met: the pure-torch reference (dequantize, then
+  matmul). `AWQLinear.kernel_choice` forces "reference" or "triton" (the tests run the Triton
+  kernel on CPU tensors in Triton's interpreter).
+torch's kernels take the affine form w = (q - 8) * scale + zero, so zero = (8 - z) * s.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steadylm import parallel
+from steadylm import parallel, platform
 from steadylm.errors import ModelLoadError
 from steadylm.layers.linear import LinearKernel
 from steadylm.layers.shard import Split, check_shape, materialize
@@ -168,12 +173,39 @@ class TorchInt4Kernel(Int4Kernel):
         return y.to(x.dtype)
 
 
+class TritonInt4Kernel(Int4Kernel):
+    """`kernels/triton_awq.py`'s GEMM on the checkpoint's own tensors (AutoAWQ's layout is
+    what it reads). The scales stay fp16: the kernel widens them to fp32 per K step, where a
+    bf16 copy would drop 3 of their bits."""
+
+    name = "triton-awq"
+
+    def __init__(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int
+    ) -> None:
+        self.qweight = qweight.contiguous()  # (K, N/8) int32
+        self.qzeros = qzeros.contiguous()  # (K/g, N/8) int32
+        self.scales = scales.contiguous()  # (K/g, N) fp16
+        self.group = group
+
+    @staticmethod
+    def supports(n: int, k: int, group: int, device: torch.device) -> bool:
+        """A K step of the kernel (a multiple of 32) stays inside one group."""
+        return group % 32 == 0 and k % group == 0 and n % 8 == 0 and platform.triton_usable(device)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        from steadylm.kernels.triton_awq import awq_gemm  # triton imports only where used
+
+        return awq_gemm(x, self.qweight, self.qzeros, self.scales, self.group)
+
+
 class AWQLinear(nn.Module):
     """A (possibly merged) AWQ linear layer. Loads qweight / qzeros / scales per shard, then
-    `process_weights_after_loading` repacks them into an `Int4Kernel` and drops the originals,
-    so the weight stays at 4 bits in memory."""
+    `process_weights_after_loading` hands them to an `Int4Kernel` (repacked for torch's kernels,
+    as they are for Triton's); a kernel that owns its copy lets the module drop its own, so
+    the weight is held once, at 4 bits."""
 
-    kernel_choice = "auto"  # "auto" or "reference" (tests and debugging)
+    kernel_choice = "auto"  # "auto", or "reference" / "triton" (tests and debugging)
 
     def __init__(
         self,
@@ -241,16 +273,30 @@ class AWQLinear(nn.Module):
         return p
 
     def process_weights_after_loading(self) -> None:
-        qw, qz, sc = self.qweight.data, self.qzeros.data, self.scales.data
-        if self.kernel_choice == "auto" and TorchInt4Kernel.supports(
-            self.out_features, self.in_features, self.group, qw.device
-        ):
-            self.kernel = TorchInt4Kernel(qw, qz, sc, self.group)
-        else:
-            self.kernel = ReferenceInt4Kernel(qw, qz, sc, self.group, sc.dtype)
-        if isinstance(self.kernel, TorchInt4Kernel):
-            del self.qweight, self.qzeros, self.scales  # only the repacked 4-bit copy stays
+        self.kernel = self._pick_kernel(self.qweight.data, self.qzeros.data, self.scales.data)
+        if self.kernel.owns_weights:
+            del self.qweight, self.qzeros, self.scales  # only the kernel's 4-bit copy stays
             self.qweight = self.qzeros = self.scales = None
+
+    def _pick_kernel(self, qw: torch.Tensor, qz: torch.Tensor, sc: torch.Tensor) -> Int4Kernel:
+        """auto: Triton on CUDA where it runs, else torch's int4 kernel, else the reference."""
+        n, k, group, device = self.out_features, self.in_features, self.group, qw.device
+        choice = self.kernel_choice
+        if choice == "triton" and not TritonInt4Kernel.supports(n, k, group, device):
+            raise ValueError(
+                f"AWQLinear.kernel_choice='triton' cannot run on {device.type} for K={k}, "
+                f"N={n}, group {group}: it needs Triton (CUDA, or TRITON_INTERPRET=1 on the "
+                "CPU) and a group that is a multiple of 32"
+            )
+        if choice == "triton" or (
+            choice == "auto"
+            and device.type == "cuda"
+            and TritonInt4Kernel.supports(n, k, group, device)
+        ):
+            return TritonInt4Kernel(qw, qz, sc, group)
+        if choice == "auto" and TorchInt4Kernel.supports(n, k, group, device):
+            return TorchInt4Kernel(qw, qz, sc, group)
+        return ReferenceInt4Kernel(qw, qz, sc, group, sc.dtype)
 
     def weight_bytes(self) -> int:
         b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
