@@ -60,7 +60,10 @@ def _default(f: dataclasses.Field) -> Any:
 
 _DISAGG = "prefill/decode disaggregation is LMDeploy-internal; steadylm runs one engine"
 _NO_VISION = "steadylm serves text-only models"
-_NO_GRAPH = "steadylm has no CUDA graphs yet (issue: GPU fast path), so nothing to tune"
+_NO_GRAPH = (
+    "steadylm captures decode CUDA graphs for batch sizes 1, 2, 4, ... up to max_batch_size; "
+    "eager_mode=True turns them off"
+)
 _NO_DOWNLOAD = "steadylm never downloads; pass a local model directory"
 _MOE = "steadylm has no mixture-of-experts models"
 
@@ -539,7 +542,6 @@ class PytorchEngineConfig:
             NO_EFFECT,
             "for state-space models, which are not loaded",
         ),
-        "eager_mode": (NO_EFFECT, _NO_GRAPH),
         "custom_module_map": (REJECTED, "custom model modules are not loaded"),
         "download_dir": (NO_EFFECT, _NO_DOWNLOAD),
         "revision": (NO_EFFECT, _NO_DOWNLOAD),
@@ -578,6 +580,7 @@ class PytorchEngineConfig:
             block_size=self.block_size,
             max_prefill_token_num=self.max_prefill_token_num,
             device="cpu" if self.device_type == "cpu" else "auto",
+            eager_mode=self.eager_mode,
         )
 
 

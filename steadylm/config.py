@@ -169,6 +169,7 @@ class EngineConfig:
     watermark_blocks: int | None = None
     eviction_type: str = "recompute"
     seed: int = 0
+    eager_mode: bool = False  # CUDA: no decode CUDA graphs (LMDeploy's name; vLLM's enforce_eager)
     dist_timeout_s: float = 60.0  # tp > 1: a collective waiting longer than this fails
     log_stats_interval_s: float = 10.0
     plan_notes: tuple[str, ...] = ()  # said with the memory plan (e.g. a knob that lost)

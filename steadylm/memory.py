@@ -196,6 +196,32 @@ def activation_bytes(
     return stream + qkv + max(mlp, attn) + logits
 
 
+def graph_buckets(max_batch_size: int) -> list[int]:
+    """The decode CUDA graphs' batch sizes: 1, 2, 4, ... below max_batch_size, then it."""
+    sizes = [1 << i for i in range(max(1, max_batch_size).bit_length()) if 1 << i < max_batch_size]
+    return [*sizes, max_batch_size]
+
+
+GRAPH_OVERHEAD_BYTES = 2 << 20  # per captured graph, beyond its tensors (an estimate)
+_SPLIT_SEGMENTS = 16  # the Triton decode kernel's most key segments (attention/triton_attn.py)
+
+
+def cuda_graph_bytes(cfg: ModelConfig, max_batch_size: int, dtype_bytes: int, tp: int = 1) -> int:
+    """The decode CUDA graphs' private memory pool on one rank. All buckets share one pool,
+    captured largest first, so it holds one decode step at max_batch_size rows: the residual
+    stream and norm outputs, qkv and attention output, the MLP, and the split-KV partials (fp32
+    output and max/sum per row, head and segment); plus a fixed cost per graph. Logits are
+    computed outside the graphs (the activation reserve counts them)."""
+    heads, kv_heads, inter, _ = tp_shape(cfg, tp)
+    b, c, d = max_batch_size, cfg.hidden_size, cfg.head_dim
+    q, kv = heads * d, kv_heads * d
+    stream = 4 * b * c * dtype_bytes
+    qkv = b * (q + 2 * kv) * dtype_bytes + b * q * dtype_bytes
+    mlp = 3 * b * inter * dtype_bytes
+    split = b * heads * _SPLIT_SEGMENTS * ((1 << (d - 1).bit_length()) + 2) * 4
+    return stream + qkv + mlp + split + len(graph_buckets(b)) * GRAPH_OVERHEAD_BYTES
+
+
 MIN_BLOCKS = 16  # as LMDeploy: below this, max_prefill_token_num is halved
 MIN_PREFILL = 64
 
@@ -224,6 +250,7 @@ class MemoryPlan:
     max_batch_size: int
     quant_policy: int
     tp: int = 1  # at tp > 1 every byte figure is one rank's (activations: rank 0's, the largest)
+    cuda_graph_bytes: int = 0  # the decode CUDA graphs' pool (0: CPU, or eager_mode)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -260,6 +287,18 @@ class MemoryPlan:
                 "activation reserve" + (" (rank 0, the largest)" if per else ""),
                 f"{fmt_bytes(self.activation_bytes)} "
                 f"(max_prefill_token_num={self.max_prefill_token_num})",
+            ),
+            *(
+                [
+                    (
+                        "CUDA graphs (decode)",
+                        f"{fmt_bytes(self.cuda_graph_bytes)} "
+                        f"(batch sizes {', '.join(map(str, graph_buckets(self.max_batch_size)))}; "
+                        "eager_mode=True frees it for KV)",
+                    )
+                ]
+                if self.cuda_graph_bytes
+                else []
             ),
             ("KV cache" + per, fmt_bytes(self.kv_cache_bytes)),
             (
@@ -323,12 +362,15 @@ def plan_memory(
     per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
+    graphs = 0
+    if not is_cpu and not ec.eager_mode:
+        graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp)
     n = ec.max_prefill_token_num
     while True:
         act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes, tp)
-        kv_bytes, source = _kv_budget(ec, knob, device, weights, act, block_bytes, is_cpu)
+        kv_bytes, source = _kv_budget(ec, knob, device, weights + graphs, act, block_bytes, is_cpu)
         num_blocks = max(0, int(kv_bytes // block_bytes))
-        used = weights + act + num_blocks * block_bytes
+        used = weights + graphs + act + num_blocks * block_bytes
         limit = _usable_bytes(ec, knob, device)
         enough = num_blocks >= MIN_BLOCKS or knob in _ABSOLUTE_KNOBS
         if (enough and used <= limit) or n <= MIN_PREFILL:
@@ -342,7 +384,9 @@ def plan_memory(
         n //= 2
     if num_blocks < 1 or used > limit:
         raise OutOfMemoryPlanError(
-            f"does not fit: weights {fmt_bytes(weights)} + activations {fmt_bytes(act)} "
+            f"does not fit: weights {fmt_bytes(weights)} + "
+            + (f"CUDA graphs {fmt_bytes(graphs)} (eager_mode=True frees them) + " if graphs else "")
+            + f"activations {fmt_bytes(act)} "
             f"(max_prefill_token_num={n}) + KV {fmt_bytes(num_blocks * block_bytes)} "
             f"({num_blocks} blocks of {fmt_bytes(block_bytes)}; {source}) vs "
             f"{fmt_bytes(limit)} usable on {device.name}. Use a smaller dtype or AWQ weights, "
@@ -372,6 +416,7 @@ def plan_memory(
         max_batch_size=ec.max_batch_size,
         quant_policy=ec.quant_policy,
         tp=tp,
+        cuda_graph_bytes=graphs,
         notes=notes,
     )
 

@@ -53,6 +53,7 @@ WORKING_SAMPLES = {
         include_stop_str_in_output=True,
     ),
     "PytorchEngineConfig": dict(
+        eager_mode=True,
         dtype="float32",
         tp=1,
         session_len=64,

@@ -93,6 +93,7 @@ WORKS = {
     "--max-prefill-token-num": (["--max-prefill-token-num", "512"], _ec(max_prefill_token_num=512)),
     "--quant-policy": (["--quant-policy", "int4"], _ec(quant_policy=4)),
     "--disable-metrics": (["--disable-metrics"], _ns(disable_metrics=True)),
+    "--eager-mode": (["--eager-mode"], _ec(eager_mode=True)),
 }
 # flag: argv. Each is logged once at INFO, naming the flag and "no effect".
 NO_EFFECT = {
@@ -104,7 +105,6 @@ NO_EFFECT = {
     "--allowed-media-domains": ["--allowed-media-domains", "a.example"],
     "--trust-remote-code": ["--trust-remote-code"],
     "--generation-config": ["--generation-config", "auto"],
-    "--eager-mode": ["--eager-mode"],
     "--distributed-executor-backend": ["--distributed-executor-backend", "mp"],
     "--kernel-block-size": ["--kernel-block-size", "32"],
     "--prefix-cache-state-budget": ["--prefix-cache-state-budget", "4"],
@@ -182,6 +182,7 @@ VLLM_ALIASES = {
     "--max-model-len": (["--max-model-len", "128"], _ec(session_len=128)),
     "--served-model-name": (["--served-model-name", "x"], _ns(model_name="x")),
     "--max-num-seqs": (["--max-num-seqs", "4"], _ec(max_batch_size=4)),
+    "--enforce-eager": (["--enforce-eager"], _ec(eager_mode=True)),
     "--tensor-parallel-size": (["--tensor-parallel-size", "1"], _ec(tp=1)),
     "--host": (["--host", "0.0.0.0"], _ns(server_name="0.0.0.0")),
     "--port": (["--port", "8000"], _ns(server_port=8000)),

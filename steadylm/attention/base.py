@@ -25,6 +25,16 @@ class AttentionGroup:
     max_query_len: int
     max_context_len: int
     prepared: dict = field(default_factory=dict)  # backend-owned, built once per step
+    # The same on the CPU, where the runner has them: a backend that plans on the host (the
+    # torch reference) reads these instead of copying device tensors back (a sync on CUDA).
+    host_context_lens: torch.Tensor | None = None
+    host_query_lens: torch.Tensor | None = None
+    host_block_tables: torch.Tensor | None = None
+
+    def host(self, name: str) -> torch.Tensor:
+        """`context_lens`, `query_lens` or `block_tables` on the CPU."""
+        t = getattr(self, "host_" + name)
+        return t if t is not None else getattr(self, name).cpu()
 
 
 @dataclass
@@ -33,6 +43,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     block_size: int
     sliding_window: int | None = None
+    # Tokens at the end of the flat batch that are padding (a CUDA graph bucket's spare rows):
+    # their slots are -1 and they write nowhere.
+    num_padded_tokens: int = 0
 
 
 @dataclass
@@ -45,11 +58,11 @@ class KVCache:
     quant_policy: int = 0
     k_scale_zero: torch.Tensor | None = None  # (L, num_blocks, block_size, Hkv, 2)
     v_scale_zero: torch.Tensor | None = None
-    initialized: torch.Tensor | None = None  # (num_blocks,) bool: block zeroed once used
+    initialized: torch.Tensor | None = None  # (num_blocks,) bool on the CPU: zeroed once used
 
     def __post_init__(self) -> None:
         if self.initialized is None:
-            self.initialized = torch.zeros(self.k.shape[1], dtype=torch.bool, device=self.k.device)
+            self.initialized = torch.zeros(self.k.shape[1], dtype=torch.bool)
 
     @property
     def num_bytes(self) -> int:

@@ -87,6 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
         slots = md.slot_mapping
+        if md.num_padded_tokens:  # padding rows come last and write nowhere
+            real = len(slots) - md.num_padded_tokens
+            slots, k, v = slots[:real], k[:real], v[:real]
         if cache.quant_policy == 0:
             cache.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             cache.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
@@ -211,20 +214,21 @@ def _zero_new_blocks(cache: KVCache, md: AttentionMetadata) -> None:
     reads whole blocks, including slots past a sequence's end and padding entries (block 0),
     so a block is zeroed the first time any table names it: masked slots then hold finite
     values, never NaN. Only ever-used blocks are touched."""
-    ids = torch.cat([g.block_tables.flatten() for g in md.groups]).unique()
-    fresh = ids[~cache.initialized[ids]]
+    ids = torch.cat([g.host("block_tables").flatten() for g in md.groups]).unique()
+    fresh = ids[~cache.initialized[ids]]  # on the CPU: no sync
     if fresh.numel() == 0:
         return
+    on_device = fresh.to(cache.k.device)
     for t in (cache.k, cache.v, cache.k_scale_zero, cache.v_scale_zero):
         if t is not None:
-            t.index_fill_(1, fresh, 0)
+            t.index_fill_(1, on_device, 0)
     cache.initialized[fresh] = True
 
 
 def _tiles(g: AttentionGroup, block_size: int, window: int | None) -> list[dict]:
     """Split a group into tiles of sequences with similar context lengths, so that the padded
     gather (tile size x longest context) stays under the workspace bound."""
-    ctx = [-(-c // block_size) * block_size for c in g.context_lens.tolist()]  # whole blocks
+    ctx = [-(-c // block_size) * block_size for c in g.host("context_lens").tolist()]
     limit = workspace_tokens(max(ctx))
     if len(ctx) * max(ctx) <= limit:  # one tile: keep batch order
         return [_prepare_tile(g, list(range(len(ctx))), block_size, window)]
@@ -243,8 +247,9 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     device = g.block_tables.device
     sel = torch.tensor(seqs, device=device)
     context_lens, query_lens = g.context_lens[sel], g.query_lens[sel]  # (S,)
+    host_ctx, host_q = g.host("context_lens")[seqs], g.host("query_lens")[seqs]  # no sync
     tables = g.block_tables[sel]
-    max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
+    max_ctx, max_q = int(host_ctx.max()), int(host_q.max())
     num_blocks = -(-max_ctx // block_size)
     blocks = tables[:, :num_blocks]  # (S, NB): padding entries name block 0, masked below
     ctx = torch.arange(num_blocks * block_size, device=device)  # (C,)
@@ -266,8 +271,8 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     causal = (
         max_q > 1
         and window is None
-        and bool((query_lens == max_q).all())
-        and bool((context_lens == max_q).all())
+        and bool((host_q == max_q).all())
+        and bool((host_ctx == max_q).all())
     )
     return {
         "decode": max_q == 1,

@@ -336,7 +336,7 @@ class TritonAttentionBackend(AttentionBackend):
             return self.segment_target
         if device.type == "cuda":
             return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        return _TARGET_PROGRAMS
+        return 1  # Triton's interpreter runs programs one by one: no split unless asked
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         """Per group: int32 block tables, context lengths and cumulative query lengths, built

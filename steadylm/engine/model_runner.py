@@ -11,6 +11,7 @@ its own attention call.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -26,10 +27,13 @@ from steadylm.attention import (
     get_backend,
 )
 from steadylm.config import EngineConfig
+from steadylm.engine.cuda_graph import DecodeGraphs
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.sampler import Sampler
 from steadylm.engine.step import StepContract
 from steadylm.memory import MemoryPlan
+
+logger = logging.getLogger(__name__)
 
 Sampled = dict[str, tuple[int, dict | None]]  # request id -> (token, logprobs)
 
@@ -82,6 +86,35 @@ class _Row:
         return range(start, min(start + self.num_new_tokens, req.num_prompt_tokens - 1))
 
 
+class _Timer:
+    """Model time of one step with no host sync of its own: on CUDA a pair of events, read
+    once the GPU has passed the second (the sampler reading tokens back waits for it anyway)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.t1: float | None = None
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def mark(self) -> None:
+        """The model's work ends here (logits computed; sampling is not counted)."""
+        if self.t1 is None:
+            self.t1 = time.perf_counter()
+            if self.cuda:
+                self.end.record()
+
+    def done(self) -> bool:
+        return not self.cuda or self.end.query()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) / 1000.0
+        return self.t1 - self.t0
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -92,8 +125,10 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         max_logit_rows: int = 128,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # decode steps from static buffers (CUDA graphs on the GPU)
         self.max_logit_rows = max_logit_rows  # the memory plan budgets logits for this many
         self.backend = backend
         self.kv_cache = kv_cache
@@ -102,7 +137,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.sliding_window = model.cfg.sliding_window
         self.requests: dict[str, RunnerRequest] = {}
-        self.model_seconds = 0.0  # time inside the model forward + logits (benchmarks read it)
+        self._model_seconds = 0.0
+        self._timers: list[_Timer] = []  # steps whose GPU work may not have finished yet
         # True while the forward may be inside a collective: a fault there leaves the other
         # ranks waiting in it, so the executor treats it as fatal.
         self.in_collectives = False
@@ -129,9 +165,52 @@ class ModelRunner:
             device,
             config.quant_policy,
         )
+        graphs = None
+        if device.type == "cuda" and not config.eager_mode:
+            if backend.name == "triton":
+                graphs = DecodeGraphs(
+                    model,
+                    backend,
+                    kv_cache,
+                    plan.block_size,
+                    config.max_batch_size,
+                    plan.session_len,
+                    device,
+                    capture=True,
+                )
+            else:  # the reference plans on the host: it cannot be captured
+                logger.warning(
+                    "no CUDA graphs: the %r attention backend cannot be captured; decode runs "
+                    "eagerly (STEADYLM_ATTENTION_BACKEND=auto picks Triton)",
+                    backend.name,
+                )
         return cls(
-            model, backend, kv_cache, plan.block_size, device, config.seed, config.max_batch_size
+            model,
+            backend,
+            kv_cache,
+            plan.block_size,
+            device,
+            config.seed,
+            config.max_batch_size,
+            graphs,
         )
+
+    @property
+    def model_seconds(self) -> float:
+        """Time inside the model forward and logits, summed over steps (benchmarks read it);
+        on CUDA a step counts once its work has finished on the device."""
+        pending = []
+        for t in self._timers:
+            if t.done():
+                self._model_seconds += t.seconds()
+            else:
+                pending.append(t)
+        self._timers = pending
+        return self._model_seconds
+
+    def _count(self, timer: _Timer) -> None:
+        timer.mark()
+        self._timers.append(timer)
 
     # ---- the contract -------------------------------------------------------------------
     def apply(self, contract: StepContract) -> None:
@@ -173,32 +252,47 @@ class ModelRunner:
             return {}
         rows = [_Row(self.requests[rid], n) for rid, n in scheduled]
         order = sorted(rows, key=lambda r: r.num_new_tokens != 1)  # decodes first
-        ids, positions, md = self._prepare(order)
-        self.backend.prepare(md, self.kv_cache)
-        t0 = time.perf_counter()
+        timer = _Timer(self.device)
         self.in_collectives = True
-        hidden = self.model(ids, positions, self.backend, self.kv_cache, md)  # (T, C)
+        hidden = self._forward(order)  # (T, C)
         sampling = [r for r in order if r.samples]
         starts = list(itertools.accumulate((r.num_new_tokens for r in order[:-1]), initial=0))
         self._score_prompt_positions(order, starts, hidden)
         if not sampling:
             self.in_collectives = False
-            self.model_seconds += time.perf_counter() - t0
+            self._count(timer)
             return {}
         rows = [s + r.num_new_tokens - 1 for r, s in zip(order, starts) if r.samples]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         self.in_collectives = False
+        self._count(timer)
         if logits is None:  # a tensor-parallel worker: rank 0 samples
             return {}
-        if logits.is_cuda:
-            torch.cuda.synchronize()  # so model_seconds measures the work, not the launch
-        self.model_seconds += time.perf_counter() - t0
         requests = [r.req for r in sampling]
         result = self.sampler(logits, requests)
         return {
             r.request_id: (tok, lp)
             for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
         }
+
+    def _forward(self, order: list[_Row]) -> torch.Tensor:
+        """The model over this step's rows -> final hidden states (T, C). A decode step goes
+        through the static-buffer path (a CUDA graph replay) when there is one."""
+        g = self.graphs
+        if (
+            g is not None
+            and all(r.num_new_tokens == 1 for r in order)
+            and g.fits(len(order), max(len(r.req.block_ids) for r in order))
+        ):
+            reqs = [r.req for r in order]
+            return g.run(
+                [r.all_token_ids[r.num_computed_tokens] for r in reqs],
+                [r.num_computed_tokens for r in reqs],
+                [r.block_ids for r in reqs],
+            )
+        ids, positions, md = self._prepare(order)
+        self.backend.prepare(md, self.kv_cache)
+        return self.model(ids, positions, self.backend, self.kv_cache, md)
 
     def _score_prompt_positions(self, order: list[_Row], starts: list[int], hidden) -> None:
         """Logprobs of the next prompt token at each prompt position of this step's chunks
@@ -278,6 +372,9 @@ class ModelRunner:
                     query_lens=q_lens[lo:hi].to(dev),
                     max_query_len=int(q_lens[lo:hi].max()),
                     max_context_len=int(ctx[lo:hi].max()),
+                    host_context_lens=ctx[lo:hi],
+                    host_query_lens=q_lens[lo:hi],
+                    host_block_tables=block_tables[lo:hi],
                 )
             )
         md = AttentionMetadata(slot_mapping.to(dev), groups, bs, self.sliding_window)

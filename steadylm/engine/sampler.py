@@ -76,9 +76,9 @@ class Sampler:
         if any(w is not None for w in want):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = _apply_bitmask(logits, raw, requests)
-        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(r.params.greedy for r in requests):  # decided on the host: no sync
+            greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
             sampled = self._sample(logits, requests)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()

@@ -102,6 +102,14 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--max-total-tokens", dict(type=int, default=None, help="absolute KV capacity in tokens")),
     ("--num-gpu-blocks", dict(type=int, default=0, help="absolute KV capacity in blocks")),
     ("--seed", dict(type=int, default=0, help="seed for unseeded sampling")),
+    (
+        "--eager-mode",
+        dict(
+            action="store_true",
+            help="CUDA: run decode eagerly, without CUDA graphs (their memory goes to the KV "
+            "cache)",
+        ),
+    ),
 ]
 
 

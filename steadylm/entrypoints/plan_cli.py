@@ -65,6 +65,11 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=0)
+    p.add_argument(
+        "--eager-mode",
+        action="store_true",
+        help="plan without decode CUDA graphs (their memory goes to the KV cache)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -140,6 +145,7 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache_max_entry_count=args.cache_max_entry_count,
+        eager_mode=args.eager_mode,
     )
     weights = None
     if mc.quantization or args.tp > 1:

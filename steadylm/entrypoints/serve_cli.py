@@ -22,6 +22,7 @@ ENGINE_ALIASES = {
     "--max-batch-size": ["--max-num-seqs"],
     "--tp": ["--tensor-parallel-size"],
     "--block-size": ["--cache-block-seq-len"],
+    "--eager-mode": ["--enforce-eager"],
 }
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")

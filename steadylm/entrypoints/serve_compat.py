@@ -34,7 +34,10 @@ class CompatFlag:
 
 _FLAG = {"action": "store_true"}
 _INT, _FLOAT, _STR = {"type": int}, {"type": float}, {"type": str}
-_NO_GRAPHS = "steadylm runs eagerly and captures no CUDA graphs"
+_NO_GRAPHS = (
+    "steadylm captures decode CUDA graphs for batch sizes 1, 2, 4, ... up to --max-batch-size "
+    "(--eager-mode turns them off)"
+)
 _NO_DOWNLOAD = "steadylm never downloads: the model is the local directory given"
 _ONE_PROCESS = (
     "--tp > 1 starts worker processes on this machine (or joins a torchrun launch): NCCL on "
@@ -66,7 +69,6 @@ NO_EFFECT: tuple[CompatFlag, ...] = (
     CompatFlag(
         "--language-model-only", "steadylm loads only language models (no vision encoder)", kw=_FLAG
     ),
-    CompatFlag("--eager-mode", _NO_GRAPHS + " (it is always eager)", kw=_FLAG),
     CompatFlag("--cudagraph-capture-batch-sizes", _NO_GRAPHS, kw={"type": int, "nargs": "+"}),
     CompatFlag("--piecewise-cudagraph-max-tokens", _NO_GRAPHS, kw=_INT),
     CompatFlag("--kernel-block-size", "kernels read the KV blocks at --block-size", kw=_INT),
