@@ -203,7 +203,7 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 
 GRAPH_OVERHEAD_BYTES = 2 << 20  # per captured graph, beyond its tensors (an estimate)
-_SPLIT_SEGMENTS = 16  # the Triton decode kernel's most key segments (attention/triton_attn.py)
+_SPLIT_SEGMENTS = 32  # the Triton decode kernel's MAX_SEGMENTS (attention/triton_attn.py)
 
 
 def cuda_graph_bytes(cfg: ModelConfig, max_batch_size: int, dtype_bytes: int, tp: int = 1) -> int:

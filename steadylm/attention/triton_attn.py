@@ -15,9 +15,10 @@ host-known counts only (tokens and sequences), and nothing synchronises with the
 
 Decode batches with few (sequence, KV head) pairs would leave most of the GPU idle at long
 context, so a decode group splits each sequence's keys into segments (flash-decoding): each
-segment writes its partial max, sum and output, and a second kernel merges them. The number
-of segments depends only on the batch size, so a captured CUDA graph stays valid for any
-context length.
+segment writes its partial max, sum and output, and a second kernel merges them. Segments
+have a fixed length in keys, set once from the engine's longest context (session_len): a
+decode row's result depends on its own context only, never on the batch it ran in or the
+CUDA graph bucket that padded it, and one captured graph serves every context length.
 
 The store kernel writes a step's new K/V into their slots (quantizing them for 8 / 4 exactly
 as `quantize_kv`, the reference) and skips slots < 0: the padded rows of a CUDA graph bucket.
@@ -39,9 +40,7 @@ from steadylm.attention.base import (
 
 _LOG2E = 1.4426950408889634
 TILE = 32  # keys per inner step
-# Enough (sequence, KV head, segment) programs to fill a GPU's SMs about twice over.
-_TARGET_PROGRAMS = 256
-MAX_SEGMENTS = 16
+MAX_SEGMENTS = 32  # key segments of a decode row at the longest context
 
 
 @triton.jit
@@ -169,6 +168,7 @@ def _attention_kernel(
     ksz_ptr,  # (num_blocks * block_size, Hkv, 2), quantized caches only
     vsz_ptr,
     seg_ml_ptr,  # (T, H, NUM_SEGMENTS, 2) fp32 partial max and sum
+    seg_tiles,  # tiles per segment (NUM_SEGMENTS > 1)
     block_tables_ptr,  # (S, max_blocks) int32
     seq_lens_ptr,  # (S,) int32: context after this step
     cu_q_ptr,  # (S + 1,) int32: cumulative query lengths
@@ -229,10 +229,9 @@ def _attention_kernel(
     first = tl.where(window > 0, tl.maximum(cached + q_local * BLOCK_Q - window + 1, 0), 0)
     tile_lo = first // TILE
     tile_hi = tl.cdiv(end, TILE)
-    if NUM_SEGMENTS > 1:
-        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
-        tile_lo = tile_lo + segment * per_segment
-        tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+    if NUM_SEGMENTS > 1:  # fixed spans of keys: the split does not depend on the batch
+        tile_lo = tl.maximum(tile_lo, segment * seg_tiles)
+        tile_hi = tl.minimum(tile_hi, (segment + 1) * seg_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -289,19 +288,25 @@ def _merge_segments_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    SEG_PAD: tl.constexpr,  # next power of two of NUM_SEGMENTS
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     row = t * num_heads + h
-    segs = tl.arange(0, NUM_SEGMENTS)
+    segs = tl.arange(0, SEG_PAD)
+    seg_ok = segs < NUM_SEGMENTS
     offs_d = tl.arange(0, HEAD_PAD)
-    m = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2)
-    l_seg = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2 + 1)
+    m = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2, mask=seg_ok, other=float("-inf"))
+    l_seg = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2 + 1, mask=seg_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # 0 for a segment that saw no key (m = -inf)
     total = tl.sum(l_seg * w, axis=0)
-    part = tl.load(part_ptr + (row * NUM_SEGMENTS + segs)[:, None] * HEAD_PAD + offs_d[None, :])
+    part = tl.load(
+        part_ptr + (row * NUM_SEGMENTS + segs)[:, None] * HEAD_PAD + offs_d[None, :],
+        mask=seg_ok[:, None],
+        other=0.0,
+    )
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -311,11 +316,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def decode_segments(num_seqs: int, num_kv_heads: int, target: int = _TARGET_PROGRAMS) -> int:
-    """Key segments per decode sequence: a power of two, enough (sequence, KV head, segment)
-    programs to fill the device, at most MAX_SEGMENTS. It depends on the batch only."""
-    want = -(-target // max(1, num_seqs * num_kv_heads))
-    return min(MAX_SEGMENTS, _pow2(want)) if want > 1 else 1
+def decode_split(max_context: int, max_segments: int = MAX_SEGMENTS) -> tuple[int, int]:
+    """(segments, tiles per segment) for decode rows of contexts up to `max_context`: at most
+    `max_segments` spans of whole tiles. Fixed per engine (from session_len)."""
+    tiles = max(1, -(-max_context // TILE))
+    per = -(-tiles // max(1, max_segments))
+    return -(-tiles // per), per
 
 
 def block_m(group_size: int) -> int:
@@ -328,32 +334,31 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, segment_target: int | None = None) -> None:
-        self.segment_target = segment_target  # None: from the device's SM count
-
-    def _target(self, device: torch.device) -> int:
-        if self.segment_target is not None:
-            return self.segment_target
-        if device.type == "cuda":
-            return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        return 1  # Triton's interpreter runs programs one by one: no split unless asked
+    def __init__(self, max_context: int | None = None, max_segments: int | None = None) -> None:
+        # The decode split: from the engine's session_len (else each group's longest
+        # context); at most max_segments spans (default MAX_SEGMENTS on CUDA, 1 in Triton's
+        # interpreter, which runs programs one by one).
+        self.max_context = max_context
+        self.max_segments = max_segments
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         """Per group: int32 block tables, context lengths and cumulative query lengths, built
         on the device from the group's tensors (no host round trip)."""
-        hkv = cache.k.shape[3]
         for g in md.groups:
             num_seqs = g.query_lens.shape[0]
             cu_q = torch.zeros(num_seqs + 1, dtype=torch.int32, device=g.query_lens.device)
             torch.cumsum(g.query_lens, 0, out=cu_q[1:])
-            segments = 1
+            split = (1, 0)
             if g.max_query_len == 1:
-                segments = decode_segments(num_seqs, hkv, self._target(cache.k.device))
+                most = self.max_segments
+                if most is None:
+                    most = MAX_SEGMENTS if cache.k.device.type == "cuda" else 1
+                split = decode_split(self.max_context or g.max_context_len, most)
             g.prepared = {
                 "cu_q": cu_q,
                 "seq_lens": g.context_lens.to(torch.int32),
                 "tables": g.block_tables.to(torch.int32),
-                "segments": segments,
+                "split": split,
             }
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
@@ -389,7 +394,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     group = h // hkv
     bm = block_m(group)
     block_q = bm // group
-    segments = p["segments"]
+    segments, seg_tiles = p["split"]
     k = cache.k[layer].view(-1, hkv, cache.k.shape[-1])
     v = cache.v[layer].view(-1, hkv, cache.v.shape[-1])
     quant = cache.quant_policy
@@ -405,8 +410,8 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
         so_t, so_h, so_s = out.stride(0), out.stride(1), 1
     grid = (t // block_q + num_seqs, hkv, segments)
     _attention_kernel[grid](
-        target, q, k, v, ksz, vsz, ml, p["tables"], p["seq_lens"], p["cu_q"], num_seqs, h,
-        scale * _LOG2E, md.sliding_window or 0, md.block_size, p["tables"].stride(0),
+        target, q, k, v, ksz, vsz, ml, seg_tiles, p["tables"], p["seq_lens"], p["cu_q"],
+        num_seqs, h, scale * _LOG2E, md.sliding_window or 0, md.block_size, p["tables"].stride(0),
         q.stride(0), q.stride(1), so_t, so_h, so_s,
         k.stride(0), k.stride(1), ksz.stride(0), ksz.stride(1),
         G=group, HEAD_DIM=d, HEAD_PAD=pad, BLOCK_M=bm, BLOCK_Q=block_q, TILE=TILE,
@@ -416,8 +421,8 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     if segments > 1:
         _merge_segments_kernel[(t, h)](
             out, target, ml, h, out.stride(0), out.stride(1),
-            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments,
+            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=_pow2(segments),
         )  # fmt: skip
 
 
-__all__ = ["TritonAttentionBackend", "block_m", "decode_segments"]
+__all__ = ["TritonAttentionBackend", "block_m", "decode_split"]

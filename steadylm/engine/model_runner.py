@@ -154,7 +154,7 @@ class ModelRunner:
     ) -> ModelRunner:
         """A runner with this rank's KV cache: exactly the plan's blocks, with the model's
         (this rank's) KV heads."""
-        backend = get_backend(platform.attention_backend(device))
+        backend = get_backend(platform.attention_backend(device), plan.session_len)
         kv_cache = backend.allocate(
             model.cfg.num_layers,
             plan.num_blocks,

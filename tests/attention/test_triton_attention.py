@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 if platform.triton_usable(DEVICE):
-    from steadylm.attention.triton_attn import TritonAttentionBackend, decode_segments
+    from steadylm.attention.triton_attn import TritonAttentionBackend, decode_split
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
@@ -75,14 +75,14 @@ def _run_both(
     head_dim=16,
     window=None,
     dtype=torch.float32,
-    segment_target=None,
+    max_segments=None,
     seed=0,
 ):
     """-> (reference output, triton output, reference cache, triton cache, new slots)."""
     torch.manual_seed(seed)
     heads, num_blocks = kv_heads * group, 48
     ref = TorchAttentionBackend()
-    tri = TritonAttentionBackend(segment_target=segment_target)
+    tri = TritonAttentionBackend(max_segments=max_segments)
     shape = (1, num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE, quant)
     c_ref, c_tri = ref.allocate(*shape), tri.allocate(*shape)
     tables, hist, new = _layout(seqs, block_size, num_blocks)
@@ -140,12 +140,44 @@ def test_sliding_window_matches_reference(quant, window):
 
 
 @pytest.mark.parametrize("quant", [0, 4])
-@pytest.mark.parametrize("target", [1, 8, 64])
-def test_split_decode_segments_match_reference(quant, target):
-    """Decode splits each sequence's keys into segments (more with fewer sequences); a
-    segment may see no key at all (short context, many segments)."""
-    _check(DECODE, quant=quant, segment_target=target, group=4)
-    _check(DECODE, quant=quant, segment_target=target, window=9)
+@pytest.mark.parametrize("segments", [2, 3, 32])
+def test_split_decode_segments_match_reference(quant, segments):
+    """Decode splits each sequence's keys into fixed spans; a short context's later spans
+    see no key at all, and a window leaves the first spans empty."""
+    _check(DECODE, quant=quant, max_segments=segments, group=4)
+    _check(DECODE, quant=quant, max_segments=segments, window=9)
+
+
+def test_a_decode_row_does_not_depend_on_its_batch():
+    """Segments have a fixed length (from the longest context), so a row's bits are the same
+    alone or in a batch (a padded CUDA graph bucket is a batch)."""
+    torch.manual_seed(0)
+    tri = TritonAttentionBackend(max_context=256, max_segments=8)
+    cache = tri.allocate(1, 16, 16, 2, 16, torch.float32, DEVICE, 4)
+    for t in (cache.k, cache.v):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    for t in (cache.k_scale_zero, cache.v_scale_zero):
+        t.copy_(torch.rand(t.shape))
+    q = torch.randn(3, 8, 16, device=DEVICE)
+    tables = torch.arange(16, device=DEVICE).view(2, 8)
+
+    def decode(rows, ctx, q_rows):
+        g = AttentionGroup(
+            0,
+            len(rows),
+            tables[rows],
+            torch.tensor(ctx, device=DEVICE),
+            torch.ones(len(rows), dtype=torch.long, device=DEVICE),
+            1,
+            max(ctx),
+        )
+        md = AttentionMetadata(torch.full((len(rows),), -1, device=DEVICE), [g], 16)
+        tri.prepare(md, cache)
+        return tri.forward(q[q_rows], cache, 0, md, 0.25)
+
+    alone = decode([1], [100], [1])
+    batch = decode([0, 1, 1], [30, 100, 1], [0, 1, 2])
+    assert torch.equal(alone[0], batch[1])
 
 
 @pytest.mark.parametrize("head_dim", [20, 80])
@@ -187,16 +219,20 @@ def test_store_skips_padded_slots(quant):
         assert torch.equal(flat[5], k[1])
 
 
-def test_decode_segments_depend_on_the_batch_only():
-    assert decode_segments(1, 8, 256) == 16  # capped
-    assert decode_segments(4, 8, 256) == 8
-    assert decode_segments(64, 8, 256) == 1
-    assert decode_segments(3, 1, 8) == 4  # rounded up to a power of two
+def test_decode_split_covers_the_longest_context_in_whole_tiles():
+    from steadylm import memory
+    from steadylm.attention.triton_attn import MAX_SEGMENTS, TILE
+
+    assert memory._SPLIT_SEGMENTS == MAX_SEGMENTS  # the plan counts the partials it needs
+    assert decode_split(32768, 32) == (32, 32768 // TILE // 32)
+    assert decode_split(100, 32) == (-(-100 // TILE), 1)  # one tile each
+    segments, per = decode_split(1000, 3)
+    assert segments <= 3 and segments * per * TILE >= 1000
 
 
 def test_a_row_with_no_context_gives_zeros_not_nan():
     """A CUDA graph pads its batch with rows of context length 0: they must stay finite."""
-    tri = TritonAttentionBackend(segment_target=64)
+    tri = TritonAttentionBackend(max_segments=4)
     cache = tri.allocate(1, 4, 16, 2, 16, torch.float32, DEVICE, 0)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))

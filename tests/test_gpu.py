@@ -1,0 +1,90 @@
+"""Checks that only a CUDA device can run (`pytest -m gpu`; benchmarks/gpu_check.sh runs them on
+a lent GPU): CUDA graphs captured and replayed, no host sync inside a forward, bf16 kernels
+(Triton's interpreter cannot run a bf16 dot), and the graphs' memory against the plan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from steadylm.engine.cuda_graph import DecodeGraphs
+from steadylm.engine.request import SamplingParams
+from tests.conftest import engine_for, hf_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 97) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("quant_policy", [0, 8, 4])
+def test_graphs_match_eager_and_transformers(quant_policy, model_dirs):
+    hf, path = model_dirs("llama")
+    ps = _prompts(5)
+    lengths = [4, 13, 7, 11, 9]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    graphs = engine_for(path, device="cuda", max_batch_size=8, quant_policy=quant_policy)
+    g = graphs.runner.graphs
+    assert graphs.runner.backend.name == "triton" and g is not None and g.graphs
+    ours = [r.output_token_ids for r in graphs.generate(ps, params)]
+    eager = engine_for(
+        path, device="cuda", max_batch_size=8, quant_policy=quant_policy, eager_mode=True
+    )
+    assert eager.runner.graphs is None
+    assert ours == [r.output_token_ids for r in eager.generate(ps, params)]
+    assert g.replays[8] > 0 and g.replays[1] > 0
+    if quant_policy == 0:
+        assert ours == [hf_greedy(hf, p, n) for p, n in zip(ps, lengths)]
+
+
+def test_no_forward_synchronises_with_the_host(model_dirs):
+    """Prefill, chunked prefill and eager decode forwards under torch's sync debug mode."""
+    _, path = model_dirs("qwen2")
+    engine = engine_for(path, device="cuda", eager_mode=True, max_prefill_token_num=8)
+    runner = engine.runner
+    forward, prepare = runner.model.forward, runner.backend.prepare
+
+    def guarded(fn):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    runner.model.forward = guarded(forward)
+    runner.backend.prepare = guarded(prepare)
+    outs = engine.generate(_prompts(3), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 6 for o in outs)
+
+
+@pytest.mark.parametrize("quant", [0, 8, 4])
+def test_bf16_kernels_match_the_reference(quant):
+    from tests.attention import test_triton_attention as t
+
+    t.TOL[torch.bfloat16] = 3e-2
+    t._check(t.MIXED, quant=quant, group=4, dtype=torch.bfloat16)
+    t._check(t.DECODE, quant=quant, group=5, kv_heads=2, dtype=torch.bfloat16)
+
+
+def test_graph_memory_stays_within_the_plan(model_dirs):
+    _, path = model_dirs("llama")
+    engine = engine_for(path, device="cuda", max_batch_size=32, eager_mode=True)
+    r = engine.runner
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    DecodeGraphs(r.model, r.backend, r.kv_cache, r.block_size, 32, 512, r.device, capture=True)
+    used = torch.cuda.memory_reserved() - before
+    from steadylm.memory import cuda_graph_bytes
+
+    planned = cuda_graph_bytes(engine.model_config, 32, 4)
+    assert used <= planned, (used, planned)
