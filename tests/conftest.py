@@ -123,6 +123,8 @@ def engine_for(path: str, **kw):
     if not any(kw.get(k) for k in knobs):
         kw.setdefault("num_gpu_blocks", 128)
     kw.setdefault("block_size", 4)
+    # The checkpoints are fp32 and compared with fp32 transformers; "auto" would be bf16 on CUDA.
+    kw.setdefault("dtype", "float32")
     return LLMEngine.from_pretrained(path, EngineConfig(**kw))
 
 

@@ -4,6 +4,7 @@ here asserts a speed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -313,3 +314,31 @@ def test_soak_slope_is_least_squares_in_mb_per_min():
     assert slope_per_min([(0.0, 100.0), (60.0, 102.0), (120.0, 104.0)]) == pytest.approx(2.0)
     assert slope_per_min([(0.0, 5.0), (30.0, 7.0), (60.0, 5.0), (90.0, 7.0)]) == pytest.approx(0.8)
     assert slope_per_min([(0.0, 1.0)]) is None
+
+
+def test_gpu_check_smoke_writes_every_section(tmp_path):
+    """benchmarks/gpu_check.py, the device check a lent GPU runs once, at tiny shapes on the
+    CPU (Triton kernels in its interpreter; graphs, bf16 kernels and CUDA memory marked
+    skipped): every section is written, none errored, every correctness check passed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check import SECTIONS, errors
+    finally:
+        sys.path.pop(0)
+    r = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--device", "cpu"]
+        + ["--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert tuple(report["sections"]) == SECTIONS
+    assert errors(report["sections"]) == []
+    assert report["checks"] and all(c["ok"] for c in report["checks"])
+    assert report["sections"]["parity"]["tiny_fp32"]["quant_0"]["graphs"]["skipped"]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert text.startswith("## ") and "### Targets" in text and text in r.stdout

@@ -81,9 +81,14 @@ def test_graph_memory_stays_within_the_plan(model_dirs):
     engine = engine_for(path, device="cuda", max_batch_size=32, eager_mode=True)
     r = engine.runner
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what stays reserved after capture is the graphs' own pool
     before = torch.cuda.memory_reserved()
-    DecodeGraphs(r.model, r.backend, r.kv_cache, r.block_size, 32, 512, r.device, capture=True)
+    graphs = DecodeGraphs(
+        r.model, r.backend, r.kv_cache, r.block_size, 32, 512, r.device, capture=True
+    )
+    torch.cuda.empty_cache()
     used = torch.cuda.memory_reserved() - before
+    assert len(graphs.graphs) == 6  # 1, 2, 4, 8, 16, 32
     from steadylm.memory import cuda_graph_bytes
 
     planned = cuda_graph_bytes(engine.model_config, 32, 4)
