@@ -208,6 +208,9 @@ def _attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     cached = seq_len - q_len
+    if NUM_SEGMENTS > 1:  # a span past the context: nothing to write, the merge skips it
+        if segment * seg_tiles >= tl.cdiv(seq_len, TILE):
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -282,6 +285,8 @@ def _merge_segments_kernel(
     out_ptr,  # (T, H, D)
     part_ptr,  # (T, H, NUM_SEGMENTS, HEAD_PAD) fp32
     ml_ptr,  # (T, H, NUM_SEGMENTS, 2) fp32
+    seq_lens_ptr,  # (T,): a decode group's token t is its sequence t
+    seg_tiles,
     num_heads,
     stride_ot,
     stride_oh,
@@ -289,12 +294,15 @@ def _merge_segments_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     SEG_PAD: tl.constexpr,  # next power of two of NUM_SEGMENTS
+    TILE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     row = t * num_heads + h
     segs = tl.arange(0, SEG_PAD)
-    seg_ok = segs < NUM_SEGMENTS
+    # Only the spans that hold keys were written (the others returned at once).
+    written = tl.cdiv(tl.cdiv(tl.load(seq_lens_ptr + t), TILE), seg_tiles)
+    seg_ok = (segs < NUM_SEGMENTS) & (segs < written)
     offs_d = tl.arange(0, HEAD_PAD)
     m = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2, mask=seg_ok, other=float("-inf"))
     l_seg = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2 + 1, mask=seg_ok, other=0.0)
@@ -324,9 +332,10 @@ def decode_split(max_context: int, max_segments: int = MAX_SEGMENTS) -> tuple[in
     return -(-tiles // per), per
 
 
-def block_m(group_size: int) -> int:
-    """Rows per program: at least 16 (tl.dot's minimum), a power of two holding G heads."""
-    return max(16, _pow2(group_size))
+def block_m(group_size: int, max_query_len: int = 1) -> int:
+    """Rows per program: a power of two holding G heads, at least 16 (tl.dot's minimum); for
+    prefill up to 64 rows (more queries per K/V tile read)."""
+    return max(16, _pow2(group_size), min(64, _pow2(group_size * max_query_len)))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -392,7 +401,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     p = g.prepared
     num_seqs = g.query_lens.shape[0]
     group = h // hkv
-    bm = block_m(group)
+    bm = block_m(group, g.max_query_len)
     block_q = bm // group
     segments, seg_tiles = p["split"]
     k = cache.k[layer].view(-1, hkv, cache.k.shape[-1])
@@ -420,8 +429,8 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     )  # fmt: skip
     if segments > 1:
         _merge_segments_kernel[(t, h)](
-            out, target, ml, h, out.stride(0), out.stride(1),
-            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=_pow2(segments),
+            out, target, ml, p["seq_lens"], seg_tiles, h, out.stride(0), out.stride(1),
+            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=_pow2(segments), TILE=TILE,
         )  # fmt: skip
 
 
