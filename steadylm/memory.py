@@ -345,11 +345,14 @@ def plan_memory(
     is_cpu: bool = False,
     tp: int | None = None,
     local_ranks: int | None = None,
+    cuda_graphs: bool | None = None,
 ) -> MemoryPlan:
     """Decide the KV pool for `ec` on `device`, per rank of `tp` (default `ec.tp`); every rank
     gets the same plan. `weight_bytes`, when given, is one rank's. On CPU, `local_ranks` (default
     tp) ranks share the machine's RAM, so each plans against that share of `device`.
-    Deterministic: the engine allocates exactly `num_blocks` of the returned plan."""
+    Deterministic: the engine allocates exactly `num_blocks` of the returned plan.
+    `cuda_graphs`: whether decode CUDA graphs are captured (default: a device other than the
+    CPU, tp=1, not eager_mode); the engine captures them exactly when the plan reserves them."""
     knob = check_knobs(ec)
     tp = tp or ec.tp
     tp_shape(mc, tp)  # an impossible split is a ConfigError before any arithmetic
@@ -362,9 +365,9 @@ def plan_memory(
     per_token = kv_bytes_per_token(mc, ec.quant_policy, dtype_bytes, tp)
     block_bytes = per_token * ec.block_size
     session_len = ec.session_len or mc.max_position_embeddings
-    graphs = 0
-    if not is_cpu and not ec.eager_mode:
-        graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp)
+    if cuda_graphs is None:
+        cuda_graphs = not is_cpu and not ec.eager_mode and tp == 1
+    graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp) if cuda_graphs else 0
     n = ec.max_prefill_token_num
     while True:
         act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes, tp)

@@ -67,38 +67,41 @@ def _store_kv_kernel(
     x_row = x_ptr + t * stride_xt + h * stride_xh
     c_row = cache_ptr + slot * stride_cs + h * stride_ch
     offs = tl.arange(0, PAD)
+    # if / else, never an early return: the compiler type-checks code after a constexpr return.
     if QUANT == 0:
         m = offs < HEAD_DIM
         tl.store(c_row + offs, tl.load(x_row + offs, mask=m), mask=m)
-        return
-    # As quantize_kv: scale = (max - min) / levels, both round-tripped through the cache dtype.
-    if QUANT == 8:
-        m = offs < HEAD_DIM
-        x = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        hi = tl.max(tl.where(m, x, float("-inf")), axis=0)
-        lo = tl.min(tl.where(m, x, float("inf")), axis=0)
     else:
-        m = offs < HEAD_DIM // 2
-        x = tl.load(x_row + 2 * offs, mask=m, other=0.0).to(tl.float32)  # dims 0, 2, 4, ...
-        y = tl.load(x_row + 2 * offs + 1, mask=m, other=0.0).to(tl.float32)  # dims 1, 3, ...
-        hi = tl.max(tl.where(m, tl.maximum(x, y), float("-inf")), axis=0)
-        lo = tl.min(tl.where(m, tl.minimum(x, y), float("inf")), axis=0)
-    levels = 255.0 if QUANT == 8 else 15.0
-    dtype = sz_ptr.dtype.element_ty
-    scale_q = tl.maximum((hi - lo) / levels, 1e-8).to(dtype)
-    zero_q = lo.to(dtype)
-    scale = tl.maximum(scale_q.to(tl.float32), 1e-8)
-    zero = zero_q.to(tl.float32)
-    s_row = sz_ptr + slot * stride_ss + h * stride_sh
-    tl.store(s_row, scale_q)
-    tl.store(s_row + 1, zero_q)
-    cx = tl.minimum(tl.maximum(_rint((x - zero) / scale), 0.0), levels)
-    if QUANT == 8:
-        tl.store(c_row + offs, cx.to(tl.uint8), mask=m)
-    else:
-        cy = tl.minimum(tl.maximum(_rint((y - zero) / scale), 0.0), levels)
-        code = cx.to(tl.uint8) | (cy.to(tl.uint8) << 4)
-        tl.store(c_row + offs, code, mask=m)
+        # As quantize_kv: scale = (max - min) / levels, both round-tripped through the cache
+        # dtype; IEEE divisions (div_rn), as torch's, so the codes match it bit for bit.
+        if QUANT == 8:
+            m = offs < HEAD_DIM
+            x = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+            y = x
+            hi = tl.max(tl.where(m, x, float("-inf")), axis=0)
+            lo = tl.min(tl.where(m, x, float("inf")), axis=0)
+        else:
+            m = offs < HEAD_DIM // 2
+            x = tl.load(x_row + 2 * offs, mask=m, other=0.0).to(tl.float32)  # dims 0, 2, ...
+            y = tl.load(x_row + 2 * offs + 1, mask=m, other=0.0).to(tl.float32)  # 1, 3, ...
+            hi = tl.max(tl.where(m, tl.maximum(x, y), float("-inf")), axis=0)
+            lo = tl.min(tl.where(m, tl.minimum(x, y), float("inf")), axis=0)
+        levels = 255.0 if QUANT == 8 else 15.0
+        dtype = sz_ptr.dtype.element_ty
+        scale_q = tl.maximum(tl.math.div_rn(hi - lo, levels), 1e-8).to(dtype)
+        zero_q = lo.to(dtype)
+        scale = tl.maximum(scale_q.to(tl.float32), 1e-8)
+        zero = zero_q.to(tl.float32)
+        s_row = sz_ptr + slot * stride_ss + h * stride_sh
+        tl.store(s_row, scale_q)
+        tl.store(s_row + 1, zero_q)
+        cx = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - zero, scale)), 0.0), levels)
+        if QUANT == 8:
+            tl.store(c_row + offs, cx.to(tl.uint8), mask=m)
+        else:
+            cy = tl.minimum(tl.maximum(_rint(tl.math.div_rn(y - zero, scale)), 0.0), levels)
+            code = cx.to(tl.uint8) | (cy.to(tl.uint8) << 4)
+            tl.store(c_row + offs, code, mask=m)
 
 
 @triton.jit
@@ -146,17 +149,18 @@ def _load_tile(
     m = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
     base = cache_ptr + rows[:, None] * stride_cs + kv_head * stride_ch
     if QUANT == 0:
-        return tl.load(base + offs_d[None, :], mask=m, other=0.0).to(OUT_DTYPE)
-    if QUANT == 8:
-        codes = tl.load(base + offs_d[None, :], mask=m, other=0).to(tl.float32)
+        out = tl.load(base + offs_d[None, :], mask=m, other=0.0).to(OUT_DTYPE)
     else:
-        packed = tl.load(base + offs_d[None, :] // 2, mask=m, other=0)
-        codes = ((packed >> ((offs_d[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
-    s_row = sz_ptr + rows * stride_ss + kv_head * stride_sh
-    scale = tl.load(s_row, mask=valid, other=0.0).to(tl.float32)
-    zero = tl.load(s_row + 1, mask=valid, other=0.0).to(tl.float32)
-    x = codes * scale[:, None] + zero[:, None]
-    return tl.where(m, x, 0.0).to(OUT_DTYPE)
+        if QUANT == 8:
+            codes = tl.load(base + offs_d[None, :], mask=m, other=0).to(tl.float32)
+        else:
+            packed = tl.load(base + offs_d[None, :] // 2, mask=m, other=0)
+            codes = ((packed >> ((offs_d[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        s_row = sz_ptr + rows * stride_ss + kv_head * stride_sh
+        scale = tl.load(s_row, mask=valid, other=0.0).to(tl.float32)
+        zero = tl.load(s_row + 1, mask=valid, other=0.0).to(tl.float32)
+        out = tl.where(m, codes * scale[:, None] + zero[:, None], 0.0).to(OUT_DTYPE)
+    return out
 
 
 @triton.jit
@@ -409,7 +413,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     quant = cache.quant_policy
     ksz = cache.k_scale_zero[layer].view(-1, hkv, 2) if quant else k
     vsz = cache.v_scale_zero[layer].view(-1, hkv, 2) if quant else v
-    pad = _pow2(d)
+    pad = max(16, _pow2(d))  # tl.dot's smallest K
     if segments > 1:
         target = torch.empty(t, h, segments, pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(t, h, segments, 2, dtype=torch.float32, device=q.device)

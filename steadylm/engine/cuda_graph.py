@@ -90,16 +90,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
-            md = self._metadata(b)
-            self._forward(b, md)  # compiles the kernels and warms the allocator, outside
+        with torch.cuda.device(self.device):  # capture on this device's stream (cuda:1 too)
+            pool = torch.cuda.graph_pool_handle()
+            for b in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
+                md = self._metadata(b)
+                self._forward(b, md)  # compiles the kernels and warms the allocator, outside
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = self._forward(b, md)
+                self.graphs[b] = graph
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b, md)
-            self.graphs[b] = graph
-        torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def run(
@@ -125,7 +126,8 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(ctx, non_blocking=True)
         self.replays[b] += 1
         if b in self.graphs:
-            self.graphs[b].replay()
+            with torch.cuda.device(self.device):
+                self.graphs[b].replay()
             return self.outputs[b][:n]
         host = (ctx, torch.ones(b, dtype=torch.long), table[:, :width])
         md = self._metadata(b, host)

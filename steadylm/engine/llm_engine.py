@@ -582,6 +582,22 @@ class LLMEngine:
         )
 
 
+def _captures_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Decode CUDA graphs run on CUDA at tp=1 with the Triton attention backend, unless
+    eager_mode. At tp > 1 a replayed graph's all-reduces would run outside the collective
+    timeout that turns a dead rank into an error, so those engines decode eagerly."""
+    if device.type != "cuda" or config.eager_mode:
+        return False
+    why = None
+    if config.tp > 1:
+        why = "tp > 1 (a replayed graph's all-reduces would bypass --dist-timeout-s)"
+    elif platform.attention_backend(device) != "triton":
+        why = "the torch attention backend plans on the host (STEADYLM_ATTENTION_BACKEND)"
+    if why:
+        logger.info("decode runs eagerly, without CUDA graphs: %s", why)
+    return why is None
+
+
 def make_plan(
     mc: ModelConfig,
     config: EngineConfig,
@@ -598,6 +614,7 @@ def make_plan(
         weight_bytes=weight_bytes,
         is_cpu=device.type == "cpu",
         local_ranks=parallel.local_ranks(config.tp),
+        cuda_graphs=_captures_cuda_graphs(config, device),
     )
     logger.info("%s", plan.table())
     for note in plan.notes:

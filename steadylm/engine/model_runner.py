@@ -11,7 +11,6 @@ its own attention call.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -32,8 +31,6 @@ from steadylm.engine.request import SamplingParams
 from steadylm.engine.sampler import Sampler
 from steadylm.engine.step import StepContract
 from steadylm.memory import MemoryPlan
-
-logger = logging.getLogger(__name__)
 
 Sampled = dict[str, tuple[int, dict | None]]  # request id -> (token, logprobs)
 
@@ -92,19 +89,20 @@ class _Timer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.t0 = time.perf_counter()
         self.t1: float | None = None
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.start.record(torch.cuda.current_stream(device))
 
     def mark(self) -> None:
         """The model's work ends here (logits computed; sampling is not counted)."""
         if self.t1 is None:
             self.t1 = time.perf_counter()
             if self.cuda:
-                self.end.record()
+                self.end.record(torch.cuda.current_stream(self.device))
 
     def done(self) -> bool:
         return not self.cuda or self.end.query()
@@ -166,24 +164,17 @@ class ModelRunner:
             config.quant_policy,
         )
         graphs = None
-        if device.type == "cuda" and not config.eager_mode:
-            if backend.name == "triton":
-                graphs = DecodeGraphs(
-                    model,
-                    backend,
-                    kv_cache,
-                    plan.block_size,
-                    config.max_batch_size,
-                    plan.session_len,
-                    device,
-                    capture=True,
-                )
-            else:  # the reference plans on the host: it cannot be captured
-                logger.warning(
-                    "no CUDA graphs: the %r attention backend cannot be captured; decode runs "
-                    "eagerly (STEADYLM_ATTENTION_BACKEND=auto picks Triton)",
-                    backend.name,
-                )
+        if plan.cuda_graph_bytes:  # the plan reserved their memory: capture them
+            graphs = DecodeGraphs(
+                model,
+                backend,
+                kv_cache,
+                plan.block_size,
+                config.max_batch_size,
+                plan.session_len,
+                device,
+                capture=True,
+            )
         return cls(
             model,
             backend,

@@ -230,23 +230,33 @@ def test_decode_split_covers_the_longest_context_in_whole_tiles():
     assert segments <= 3 and segments * per * TILE >= 1000
 
 
-def test_a_row_with_no_context_gives_zeros_not_nan():
-    """A CUDA graph pads its batch with rows of context length 0: they must stay finite."""
-    tri = TritonAttentionBackend(max_segments=4)
+def test_padded_rows_leave_real_rows_alone():
+    """A CUDA graph bucket pads its batch with rows of context 1 whose table names block 0,
+    whatever it holds (NaN here); a row with context 0 gives zeros. Real rows are exact."""
+    torch.manual_seed(1)
+    tri = TritonAttentionBackend(max_context=64, max_segments=4)
     cache = tri.allocate(1, 4, 16, 2, 16, torch.float32, DEVICE, 0)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))
-    q = torch.randn(2, 4, 16, device=DEVICE)
+    k = torch.randn(20, 2, 16, device=DEVICE)
+    v = torch.randn(20, 2, 16, device=DEVICE)
+    cache.k[0, 1:3].view(-1, 2, 16)[:20] = k[:20]  # the real row: blocks 1 and 2
+    cache.v[0, 1:3].view(-1, 2, 16)[:20] = v[:20]
+    q = torch.randn(3, 4, 16, device=DEVICE)
+    tables = torch.tensor([[1, 2], [0, 0], [0, 0]], device=DEVICE)
     group = AttentionGroup(
         0,
-        2,
-        torch.zeros(2, 1, dtype=torch.long, device=DEVICE),
-        torch.tensor([0, 0], device=DEVICE),
-        torch.tensor([1, 1], device=DEVICE),
+        3,
+        tables,
+        torch.tensor([20, 1, 0], device=DEVICE),
+        torch.ones(3, dtype=torch.long, device=DEVICE),
         1,
-        0,
+        20,
     )
-    md = AttentionMetadata(torch.tensor([-1, -1], device=DEVICE), [group], 16)
+    md = AttentionMetadata(torch.full((3,), -1, device=DEVICE), [group], 16)
     tri.prepare(md, cache)
     out = tri.forward(q, cache, 0, md, 0.25)
-    assert torch.equal(out, torch.zeros_like(out))
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # (20, 4, 16)
+    w = torch.softmax(torch.einsum("hd,thd->ht", q[0], kk) * 0.25, dim=-1)
+    torch.testing.assert_close(out[0], torch.einsum("ht,thd->hd", w, vv))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))

@@ -115,6 +115,8 @@ def test_the_plan_counts_graph_memory_on_cuda_only():
     on_cpu = plan_memory(mc, EngineConfig(max_batch_size=32), dev, 2, is_cpu=True)
     assert on_gpu.cuda_graph_bytes == graphs
     assert eager.cuda_graph_bytes == 0 and on_cpu.cuda_graph_bytes == 0
+    # tp > 1 decodes eagerly: a replayed graph's all-reduces would bypass the collective timeout
+    assert plan_memory(mc, EngineConfig(max_batch_size=32, tp=2), dev, 2).cuda_graph_bytes == 0
     # cache_max_entry_count (0.8) of what is left: the graphs come out before the KV share
     assert eager.kv_cache_bytes - on_gpu.kv_cache_bytes == pytest.approx(
         0.8 * graphs, abs=on_gpu.kv_bytes_per_token * on_gpu.block_size
