@@ -8,9 +8,10 @@ attention backend's per-step preparation and the model forward are captured toge
 bucket (largest first, one shared memory pool) and replayed; logits and sampling run
 outside the graph, on the real rows only.
 
-Where graphs cannot run (the CPU, `eager_mode=True`, or an attention backend that
-synchronises with the host), the same padded path runs eagerly: it is how the tests check
-the bucketing and padding on the CPU.
+The engine captures them when its memory plan reserved their pool (CUDA, tp=1, the Triton
+backend, not `eager_mode`; see `llm_engine._captures_cuda_graphs`); otherwise decode takes the
+runner's ordinary path. With `capture=False` the same padded path runs eagerly: that is how
+the tests check the bucketing and padding on the CPU.
 """
 
 from __future__ import annotations
