@@ -90,12 +90,17 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self.t0 = time.perf_counter()
         self.t1: float | None = None
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
-            self.start.record(torch.cuda.current_stream(device))
+        self.restart()
+
+    def restart(self) -> None:
+        """The model's work starts here (after the step's inputs are built)."""
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.start.record(torch.cuda.current_stream(self.device))
 
     def mark(self) -> None:
         """The model's work ends here (logits computed; sampling is not counted)."""
@@ -245,7 +250,7 @@ class ModelRunner:
         order = sorted(rows, key=lambda r: r.num_new_tokens != 1)  # decodes first
         timer = _Timer(self.device)
         self.in_collectives = True
-        hidden = self._forward(order)  # (T, C)
+        hidden = self._forward(order, timer)  # (T, C)
         sampling = [r for r in order if r.samples]
         starts = list(itertools.accumulate((r.num_new_tokens for r in order[:-1]), initial=0))
         self._score_prompt_positions(order, starts, hidden)
@@ -266,7 +271,7 @@ class ModelRunner:
             for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
         }
 
-    def _forward(self, order: list[_Row]) -> torch.Tensor:
+    def _forward(self, order: list[_Row], timer: _Timer | None = None) -> torch.Tensor:
         """The model over this step's rows -> final hidden states (T, C). A decode step goes
         through the static-buffer path (a CUDA graph replay) when there is one."""
         g = self.graphs
@@ -282,6 +287,8 @@ class ModelRunner:
                 [r.block_ids for r in reqs],
             )
         ids, positions, md = self._prepare(order)
+        if timer is not None:
+            timer.restart()
         self.backend.prepare(md, self.kv_cache)
         return self.model(ids, positions, self.backend, self.kv_cache, md)
 
