@@ -250,7 +250,7 @@ class MemoryPlan:
     max_batch_size: int
     quant_policy: int
     tp: int = 1  # at tp > 1 every byte figure is one rank's (activations: rank 0's, the largest)
-    cuda_graph_bytes: int = 0  # the decode CUDA graphs' pool (0: CPU, or eager_mode)
+    cuda_graph_bytes: int = 0  # the decode CUDA graphs' pool (0: none captured)
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -58,14 +58,13 @@ from steadylm.attention import triton_attn as ta  # noqa: E402
 from steadylm.attention.base import (  # noqa: E402
     AttentionGroup,
     AttentionMetadata,
-    allocate_paged_cache,
 )
 from steadylm.kernels import triton_awq  # noqa: E402
 
 
 def attention(dtype, quant, heads, kv_heads, head_dim, q_lens, ctx, window=None, segments=None):
-    cache = allocate_paged_cache(1, 64, 16, kv_heads, head_dim, dtype, torch.device("cpu"), quant)
     backend = ta.TritonAttentionBackend(max_context=4096, max_segments=segments)
+    cache = backend.allocate(1, 64, 16, kv_heads, head_dim, dtype, torch.device("cpu"), quant)
     tables = torch.zeros(len(q_lens), max(-(-c // 16) for c in ctx), dtype=torch.long)
     t = sum(q_lens)
     g = AttentionGroup(0, t, tables, torch.tensor(ctx), torch.tensor(q_lens), max(q_lens), max(ctx))

@@ -70,38 +70,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def allocate_paged_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    quant_policy: int = 0,
-) -> KVCache:
-    """The cache layout every backend shares: (L, num_blocks, block_size, Hkv, D) in the model
-    dtype, or uint8 codes (D, or D / 2 for int4: dims 2i and 2i+1 in the low and high nibble
-    of byte i) with (scale, zero) per token and head. Uninitialised on purpose: on the CPU the
-    pages cost memory only once used."""
-    shape = (num_layers, num_blocks, block_size, num_kv_heads)
-    if quant_policy == 0:
-        return KVCache(
-            k=torch.empty(*shape, head_dim, dtype=dtype, device=device),
-            v=torch.empty(*shape, head_dim, dtype=dtype, device=device),
-        )
-    if quant_policy == 4 and head_dim % 2:
-        raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
-    width = head_dim if quant_policy == 8 else head_dim // 2
-    return KVCache(
-        k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-        v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-        quant_policy=quant_policy,
-        k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-        v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-    )
-
-
 class AttentionBackend(ABC):
     name: str = "base"
 
@@ -116,8 +84,25 @@ class AttentionBackend(ABC):
         device: torch.device,
         quant_policy: int = 0,
     ) -> KVCache:
-        return allocate_paged_cache(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, quant_policy
+        """The cache layout every backend shares: (L, num_blocks, block_size, Hkv, D) in the model
+        dtype, or uint8 codes (D, or D / 2 for int4: dims 2i and 2i+1 in the low and high nibble
+        of byte i) with (scale, zero) per token and head. Uninitialised on purpose: on the CPU the
+        pages cost memory only once used."""
+        shape = (num_layers, num_blocks, block_size, num_kv_heads)
+        if quant_policy == 0:
+            return KVCache(
+                k=torch.empty(*shape, head_dim, dtype=dtype, device=device),
+                v=torch.empty(*shape, head_dim, dtype=dtype, device=device),
+            )
+        if quant_policy == 4 and head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
+        width = head_dim if quant_policy == 8 else head_dim // 2
+        return KVCache(
+            k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
+            v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
+            quant_policy=quant_policy,
+            k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
+            v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
         )
 
     def prepare(self, metadata: AttentionMetadata, cache: KVCache) -> None:

@@ -21,12 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from steadylm import kernels
-from steadylm.attention.base import (
-    AttentionBackend,
-    AttentionGroup,
-    AttentionMetadata,
-    KVCache,
-)
+from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
 
 _LEVELS = {8: 255, 4: 15}
 

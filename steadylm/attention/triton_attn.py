@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import next_power_of_2
 
 from steadylm.attention.base import (
     AttentionBackend,
@@ -324,10 +325,6 @@ def _merge_segments_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def decode_split(max_context: int, max_segments: int = MAX_SEGMENTS) -> tuple[int, int]:
     """(segments, tiles per segment) for decode rows of contexts up to `max_context`: at most
     `max_segments` spans of whole tiles. Fixed per engine (from session_len)."""
@@ -339,7 +336,8 @@ def decode_split(max_context: int, max_segments: int = MAX_SEGMENTS) -> tuple[in
 def block_m(group_size: int, max_query_len: int = 1) -> int:
     """Rows per program: a power of two holding G heads, at least 16 (tl.dot's minimum); for
     prefill up to 64 rows (more queries per K/V tile read)."""
-    return max(16, _pow2(group_size), min(64, _pow2(group_size * max_query_len)))
+    rows = next_power_of_2(group_size * max_query_len)
+    return max(16, next_power_of_2(group_size), min(64, rows))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -379,7 +377,7 @@ class TritonAttentionBackend(AttentionBackend):
         if t == 0:
             return
         quant = cache.quant_policy
-        pad = _pow2(d // 2 if quant == 4 else d)
+        pad = next_power_of_2(d // 2 if quant == 4 else d)
         for x, data, sz in ((k, cache.k, cache.k_scale_zero), (v, cache.v, cache.v_scale_zero)):
             x = x if x.stride(-1) == 1 else x.contiguous()
             c = data[layer].view(-1, hkv, data.shape[-1])
@@ -413,7 +411,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     quant = cache.quant_policy
     ksz = cache.k_scale_zero[layer].view(-1, hkv, 2) if quant else k
     vsz = cache.v_scale_zero[layer].view(-1, hkv, 2) if quant else v
-    pad = max(16, _pow2(d))  # tl.dot's smallest K
+    pad = max(16, next_power_of_2(d))  # tl.dot's smallest K
     if segments > 1:
         target = torch.empty(t, h, segments, pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(t, h, segments, 2, dtype=torch.float32, device=q.device)
@@ -434,7 +432,8 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     if segments > 1:
         _merge_segments_kernel[(t, h)](
             out, target, ml, p["seq_lens"], seg_tiles, h, out.stride(0), out.stride(1),
-            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=_pow2(segments), TILE=TILE,
+            HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=next_power_of_2(segments),
+            TILE=TILE,
         )  # fmt: skip
 
 

@@ -113,24 +113,24 @@ class DecodeGraphs:
         b = self.bucket(n)
         pad = b - n
         pos = torch.tensor(list(positions) + [0] * pad)
-        table = torch.zeros(b, self.max_blocks, dtype=torch.long)
+        width = max(len(t) for t in tables)  # the columns past it are never read
+        table = torch.zeros(b, width, dtype=torch.long)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t)
         slots = table[torch.arange(b), pos // bs] * bs + pos % bs
         slots[n:] = -1  # padded rows write nowhere
         ctx = pos + 1  # padded rows: position 0, one key (block 0), never read
-        width = max(len(t) for t in tables)
         self.ids[:b].copy_(torch.tensor(list(tokens) + [0] * pad), non_blocking=True)
         self.positions[:b].copy_(pos, non_blocking=True)
         self.slots[:b].copy_(slots, non_blocking=True)
-        self.tables[:b, :width].copy_(table[:, :width], non_blocking=True)
+        self.tables[:b, :width].copy_(table, non_blocking=True)
         self.context_lens[:b].copy_(ctx, non_blocking=True)
         self.replays[b] += 1
         if b in self.graphs:
             with torch.cuda.device(self.device):
                 self.graphs[b].replay()
             return self.outputs[b][:n]
-        host = (ctx, torch.ones(b, dtype=torch.long), table[:, :width])
+        host = (ctx, torch.ones(b, dtype=torch.long), table)
         md = self._metadata(b, host)
         md.num_padded_tokens = pad
         return self._forward(b, md)[:n]
