@@ -32,7 +32,9 @@ def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
     xf = x.float()
     lo = xf.amin(dim=-1, keepdim=True)
     hi = xf.amax(dim=-1, keepdim=True)
-    scale = ((hi - lo) / levels).clamp_min(1e-8)
+    # A tensor divisor, not a Python number: CUDA torch divides by a host scalar as a multiply
+    # by its reciprocal (1 ulp off), while the CPU and the Triton store divide exactly.
+    scale = ((hi - lo) / hi.new_full((), levels)).clamp_min(1e-8)
     # Round-trip the stored params through the cache dtype so encode and decode agree.
     scale = scale.to(x.dtype).float().clamp_min(1e-8)
     lo = lo.to(x.dtype).float()
