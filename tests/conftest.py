@@ -14,6 +14,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def triton_device(what: str) -> torch.device:
+    """At a kernel test module's top: skip it unless Triton runs here (compiled on a GPU, or
+    interpreted on CPU tensors); the device its kernels take."""
+    pytest.importorskip("triton", reason=f"triton is not installed: {what} cannot run")
+    from steadylm import platform
+
+    if not torch.cuda.is_available() and not platform.triton_interpreted():
+        pytest.skip(
+            "no CUDA device and TRITON_INTERPRET is unset: Triton kernels cannot run here",
+            allow_module_level=True,
+        )
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 TOKENIZERS = SHARED / "tokenizers"

@@ -7,21 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadylm import platform
 from steadylm.layers.awq import AWQLinear, dequantize, pack_int4
 from steadylm.memory import linear_bytes
+from tests.conftest import triton_device
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton AWQ GEMM cannot run")
-CUDA = torch.cuda.is_available()
-if not CUDA and not platform.triton_interpreted():
-    pytest.skip(
-        "no CUDA device and TRITON_INTERPRET is unset: Triton kernels cannot run here",
-        allow_module_level=True,
-    )
+DEVICE = triton_device("the Triton AWQ GEMM")
+CUDA = DEVICE.type == "cuda"
 
 from steadylm.kernels.triton_awq import awq_gemm  # noqa: E402  (after the interpreter is set)
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 # The interpreter's bf16 tl.dot is wrong (a numpy limitation), so bf16 runs on CUDA only.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Error bound relative to the largest output: fp32 is the reference's own arithmetic; fp16 and

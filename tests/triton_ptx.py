@@ -59,7 +59,7 @@ from steadylm.attention.base import (  # noqa: E402
     AttentionGroup,
     AttentionMetadata,
 )
-from steadylm.kernels import triton_awq  # noqa: E402
+from steadylm.kernels import triton_awq, triton_ops  # noqa: E402
 
 
 def attention(dtype, quant, heads, kv_heads, head_dim, q_lens, ctx, window=None, segments=None):
@@ -86,6 +86,17 @@ def awq(dtype, m, k, n, group, split):
     )
 
 
+def small_ops(dtype, tokens, hidden, heads, head_dim):
+    x = torch.zeros(tokens, hidden, dtype=dtype)
+    triton_ops.rms_norm(x, torch.zeros(hidden, dtype=dtype), 1e-6)
+    triton_ops.rms_norm(x, torch.zeros(hidden, dtype=dtype), 1e-6, torch.zeros_like(x))
+    triton_ops.silu_and_mul(torch.zeros(tokens, 2 * 5 * hidden, dtype=dtype))
+    qkv = torch.zeros(tokens, heads + 2, head_dim, dtype=dtype)
+    triton_ops.rms_norm(qkv[:, :heads], torch.zeros(head_dim, dtype=dtype), 1e-6)  # q norm
+    cos = torch.zeros(tokens, 1, head_dim, dtype=dtype)
+    triton_ops.rotary_(qkv[:, : heads + 1], cos, cos)
+
+
 def cases():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for quant in (0, 8, 4):
@@ -100,6 +111,9 @@ def cases():
         for m in (1, 64, 300):
             yield awq, (dtype, m, 4096, 1024, 128, None), {}
         yield awq, (dtype, 1, 512, 256, 32, 4), {}
+        yield small_ops, (dtype, 1, 5120, 40, 128), {}  # a 32B model's shapes
+        yield small_ops, (dtype, 3, 896, 14, 64), {}  # Qwen2.5-0.5B
+        yield small_ops, (dtype, 2, 8192, 64, 80), {}
 
 
 def main() -> int:

@@ -9,7 +9,8 @@ reads the KV cache where it lies (docs/benchmarks.md has the measurements).
 The kernels are compiled once per machine and torch version with torch.utils.cpp_extension
 (`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time). If
 that fails (no compiler, no ninja) the engine logs why and runs the references.
-`STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors always take the references.
+`STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors take the Triton kernels of
+`triton_ops.py` (one launch per op) where Triton runs, the references otherwise.
 
 Every entry point takes the same arguments as its reference and falls back to it for inputs
 the kernel does not cover (non-contiguous, other dtypes, other devices).
@@ -169,8 +170,26 @@ def paged_decode_attention_ref(
     )
 
 
+def triton_ops_for(*tensors: torch.Tensor):
+    """steadylm.kernels.triton_ops if every tensor is a CUDA tensor and Triton runs there (one
+    kernel per small op of a decoder layer), else None."""
+    for t in tensors:
+        if t.device.type != "cuda":
+            return None
+    if "triton" not in _state:
+        _state["triton"] = None
+        if platform.triton_usable(tensors[0].device):
+            from steadylm.kernels import triton_ops
+
+            _state["triton"] = triton_ops
+    return _state["triton"]
+
+
 # ---- entry points -------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    tri = triton_ops_for(x, weight)
+    if tri is not None and weight.dtype == x.dtype:
+        return tri.rms_norm(x, weight, eps)
     ops = _native_for(x, weight)
     if ops is None or weight.dtype != x.dtype:
         return rms_norm_ref(x, weight, eps)
@@ -181,7 +200,10 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual). The native kernel updates residual in
-    place; callers use the returned residual either way."""
+    place, as does the Triton one; callers use the returned residual either way."""
+    tri = triton_ops_for(x, residual, weight)
+    if tri is not None and x.dtype == residual.dtype == weight.dtype and residual.is_contiguous():
+        return tri.rms_norm(x, weight, eps, residual), residual
     ops = _native_for(x, residual, weight)
     if ops is None or not (x.dtype == residual.dtype == weight.dtype):
         residual = x + residual
@@ -190,6 +212,9 @@ def fused_add_rms_norm(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    tri = triton_ops_for(x)
+    if tri is not None:
+        return tri.silu_and_mul(x)
     ops = _native_for(x)
     if ops is None:
         return silu_and_mul_ref(x)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from steadylm import kernels
+
 
 def rope_parameters(hf_config: Any) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -63,6 +65,20 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, heads, D); cos, sin (T, 1, D)."""
     return x * cos + rotate_half(x) * sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) rotated by cos, sin (T, 1, D): on CUDA in place in one Triton kernel
+    (x may be a view of the fused qkv output), elsewhere a new tensor; use the result."""
+    tri = kernels.triton_ops_for(x, cos, sin)
+    if tri is not None and x.stride(-1) == 1 and x.dtype == cos.dtype and _rows(cos, sin):
+        return tri.rotary_(x, cos, sin)
+    return rotate_ref(x, cos, sin)
+
+
+def _rows(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """cos and sin laid out alike with unit stride along D (the kernel's one row stride)."""
+    return cos.stride(-1) == 1 and cos.stride() == sin.stride()

@@ -41,12 +41,16 @@ def test_every_kernel_compiles_for_the_gpu(sm, tmp_path):
     report = json.loads(lines[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert proc.returncode == 0
-    # every kernel compiled: store, attention (with and without the split), merge, AWQ
+    # every kernel compiled: store, attention (with and without the split), merge, AWQ, and
+    # the small ops of a decoder layer
     assert set(report["kernels"]) == {
         "_store_kv_kernel",
         "_attention_kernel",
         "_merge_segments_kernel",
         "_awq_gemm_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_rotary_kernel",
     }
     # quantization divides with IEEE rounding, as torch's quantize_kv
     assert report["store_divisions"] == ["div.rn.f32"]

@@ -1,10 +1,12 @@
-"""The engine on the Triton attention backend (STEADYLM_ATTENTION_BACKEND=triton) against
-transformers, greedy token for token, under chunked prefill, batching, preemption and prefix
-cache hits. Without a GPU the kernels run in Triton's interpreter (tests/conftest.py)."""
+"""The engine on the Triton attention backend (STEADYLM_ATTENTION_BACKEND=triton) and the
+small-op Triton kernels against transformers, greedy token for token, under chunked prefill,
+batching, preemption and prefix cache hits. Without a GPU the kernels run in Triton's
+interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -23,12 +25,38 @@ PROMPT = [3, 17, 42, 5, 88, 61, 9, 23, 11, 70, 2, 33, 45]
 
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch):
+    """The Triton attention backend, and the small-op Triton kernels (norms, SiLU-and-mul,
+    rotary) on any device: what a CUDA engine runs."""
+    from steadylm import kernels
+    from steadylm.kernels import triton_ops
+
+    calls = {}
+
+    def counted(name):
+        def run(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(triton_ops, name)(*args, **kwargs)
+
+        return run
+
+    ops = types.SimpleNamespace(**{n: counted(n) for n in ("rms_norm", "silu_and_mul", "rotary_")})
     monkeypatch.setenv("STEADYLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(kernels, "triton_ops_for", lambda *tensors: ops)
+    return calls
 
 
-def test_the_engine_runs_the_triton_backend(model_dirs):
+def test_the_engine_runs_the_triton_kernels(model_dirs, triton_backend):
     _, path = model_dirs("llama")
-    assert engine_for(path).runner.backend.name == "triton"
+    engine = engine_for(path)
+    assert engine.runner.backend.name == "triton"
+    engine.generate([PROMPT], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    layers = engine.model_config.num_layers
+    steps = 2  # the prefill and one decode step
+    assert triton_backend == {
+        "rms_norm": steps * (2 * layers + 1),  # two per layer and the final norm
+        "silu_and_mul": steps * layers,
+        "rotary_": steps * layers,
+    }
 
 
 @pytest.mark.parametrize("arch", ARCHS)
