@@ -15,6 +15,8 @@ Sections (each records its own error and the rest still run):
                CUDA graphs and eager (the same engine with its graphs set aside, which is what
                eager_mode=True builds), as a share of the HBM bound (weights + KV read per step
                over a measured device copy); transformers generate() per token; W1 / W2.
+  profile      a batch-1 decode step's kernels: how many, their summed GPU time against the
+               step's wall time, the top ones (graphs and eager; CUDA only).
   memory       the memory plan against what capture took and the peak allocation.
   bench_large  a ~7B-shaped random model (no checkpoint: random weights on the device), only
                when the time budget allows.
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("parity", "kernels", "bench", "memory", "bench_large")
+SECTIONS = ("parity", "kernels", "bench", "profile", "memory", "bench_large")
 BLOCK = 64  # the engine's default KV block size, used by every case here
 
 
@@ -729,6 +731,75 @@ def section_bench_large(ctx: Context) -> dict:
     return res
 
 
+# ---- profile -----------------------------------------------------------------------------
+def section_profile(ctx: Context) -> dict:
+    """Where a batch-1 decode step's time goes: the kernels one step launches, their summed GPU
+    time against the step's wall time (the rest is launch gaps and host work), the top
+    kernels; eager, and under the decode graph where the profiler sees a graph's kernels."""
+    if not ctx.cuda:
+        return {"skipped": "CUDA only (the profiler's kernel trace)"}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from steadylm.engine.request import SamplingParams
+
+    _, _, engine = ctx.big()
+    runner, graphs = engine.runner, engine.runner.graphs
+    steps = 5
+    prompt = random_prompts(1, 504, engine.model_config.vocab_size, seed=5)[0]
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4 * steps + 64, ignore_eos=True))
+    res = {"context": 512, "steps": steps}
+    try:
+        if prefill_until_decoding(ctx, engine, 1, reserve=10) is None:
+            return {"skipped": "time budget"}
+        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+            runner.graphs = graphs if mode == "graphs" else None
+            for _ in range(2):
+                engine.step()
+            sync(ctx.device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    engine.step()
+                sync(ctx.device)
+            wall = [r.seconds for r in list(engine.step_log)[-steps:]]
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            by: dict[str, list[float]] = {}
+            for e in kernels:
+                by.setdefault(e.name, []).append(e.time_range.elapsed_us())
+            top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:12]
+            res[mode] = {
+                "kernels_per_step": len(kernels) / steps,
+                "kernel_ms_per_step": sum(map(sum, by.values())) / steps / 1000,
+                "step_ms": 1000 * statistics.median(wall),
+                "top": [
+                    {"kernel": name[:70], "per_step": len(t) / steps, "us_per_step": sum(t) / steps}
+                    for name, t in top
+                ],
+            }
+    finally:
+        runner.graphs = graphs
+        engine.abort_all()
+    return res
+
+
+def md_profile(p: dict) -> list[str]:
+    if not any(m in p for m in ("graphs", "eager")):
+        return ["", f"### Profile: {p.get('skipped') or p.get('error') or 'not run'}"]
+    out = ["", f"### Profile: one decode step at batch 1, context {p['context']} (the ~1B model)"]
+    for mode in ("graphs", "eager"):
+        m = p.get(mode)
+        if not m:
+            continue
+        out.append(
+            f"- {mode}: {m['kernels_per_step']:.0f} kernels per step, "
+            f"{m['kernel_ms_per_step']:.3f} ms of kernel time in a {m['step_ms']:.3f} ms step "
+            "(profiled)"
+        )
+    m = p.get("eager") or p.get("graphs")
+    rows = [[t["kernel"], t["per_step"], t["us_per_step"]] for t in m["top"]]
+    return out + table(["kernel (eager)", "per step", "us per step"], rows)
+
+
 # ---- 4. memory -------------------------------------------------------------------------------
 def plan_dict(engine) -> dict:
     keep = ("weight_bytes", "activation_bytes", "kv_cache_bytes", "kv_bytes_per_token",
@@ -845,6 +916,7 @@ def markdown(report: dict) -> str:
     lines += md_parity(s.get("parity", {})) + md_kernels(s.get("kernels", {}))
     for label in ("bench", "bench_large"):
         lines += md_bench(label, s.get(label, {}))
+    lines += md_profile(s.get("profile", {}))
     lines += md_memory(s.get("memory", {}))
     lines += ["", "### Targets"]
     ts = report["targets"]
@@ -1011,6 +1083,7 @@ def main(argv=None) -> int:
         "parity": section_parity,
         "kernels": section_kernels,
         "bench": section_bench,
+        "profile": section_profile,
         "memory": section_memory,
         "bench_large": section_bench_large,
     }
