@@ -715,7 +715,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // layer all the same).
 #if defined(__AVX512F__)
 constexpr int64_t kPackBlock = 64;
-constexpr int64_t kPrefetch = 2048;  // floats ahead (8 KiB); 4 and 16 KiB within noise
+// Software prefetch 16 KiB ahead into L2 (T1). Into L1 (T0) at 8 KiB it cost a third of the
+// rate on a Zen 4 VM: the step's 49 GEMVs read at 0.74 of a torch.sum against 0.98 with T1 at
+// 16 or 32 KiB (T2 the same, no prefetch 0.88; docs/benchmarks.md, 2026-12-04 fourth session).
+constexpr int64_t kPrefetch = 4096;  // floats ahead
+constexpr auto kPrefetchHint = _MM_HINT_T1;
 
 template <int M>
 void packed_gemv(const float* x, const float* w, const float* bias, float* y, int64_t n,
@@ -728,8 +732,8 @@ void packed_gemv(const float* x, const float* w, const float* bias, float* y, in
         for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
       for (int64_t i = 0; i < k; ++i) {
         const float* wr = wb + i * kPackBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), kPrefetchHint);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), kPrefetchHint);
         __m512 wv[4];
         for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_ps(wr + 16 * v);
         for (int m = 0; m < M; ++m) {
@@ -763,8 +767,8 @@ void packed_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFlo
         for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
       for (int64_t i = 0; i < k; i += 2) {
         const c10::BFloat16* wr = wb + i * kPackBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), kPrefetchHint);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), kPrefetchHint);
         __m512i wv[4];
         for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(wr + 32 * v);
         for (int m = 0; m < M; ++m) {
