@@ -13,12 +13,16 @@ stream of K/V tiles, with an online softmax (exp2, the scale folded in). The pro
 sequence by a binary search over the cumulative query lengths, so the grid size follows from
 host-known counts only (tokens and sequences), and nothing synchronises with the host.
 
-Decode batches with few (sequence, KV head) pairs would leave most of the GPU idle at long
-context, so a decode group splits each sequence's keys into segments (flash-decoding): each
-segment writes its partial max, sum and output, and a second kernel merges them. Segments
-have a fixed length in keys, set once from the engine's longest context (session_len): a
-decode row's result depends on its own context only, never on the batch it ran in or the
-CUDA graph bucket that padded it, and one captured graph serves every context length.
+Decode batches with few (sequence, KV head) pairs would leave most of the GPU idle, so a
+decode group splits each sequence's keys into segments (flash-decoding): each segment writes
+its partial max, sum and output, and a second kernel merges them. The grid has a fixed number
+of segments (from the engine's longest context, session_len, at most MAX_SEGMENTS); each row
+spreads its own context over them in whole tiles, at least MIN_SEGMENT_TILES per segment, and
+the segments past its keys return at once. So a decode row's result depends on its own context
+only, never on the batch it ran in or the CUDA graph bucket that padded it; one captured graph
+serves every context length; and a short context still runs on several programs per KV head
+(a fixed span length from session_len left one program per KV head doing all of a 512-token
+row in sequence: 23 us per layer on an H200, docs/benchmarks.md).
 
 The store kernel writes a step's new K/V into their slots (quantizing them for 8 / 4 exactly
 as `quantize_kv`, the reference) and skips slots < 0: the padded rows of a CUDA graph bucket.
@@ -42,6 +46,7 @@ from steadylm.attention.base import (
 _LOG2E = 1.4426950408889634
 TILE = 32  # keys per inner step
 MAX_SEGMENTS = 32  # key segments of a decode row at the longest context
+MIN_SEGMENT_TILES = 4  # a decode segment spans at least this many tiles (128 keys)
 
 
 @triton.jit
@@ -173,7 +178,7 @@ def _attention_kernel(
     ksz_ptr,  # (num_blocks * block_size, Hkv, 2), quantized caches only
     vsz_ptr,
     seg_ml_ptr,  # (T, H, NUM_SEGMENTS, 2) fp32 partial max and sum
-    seg_tiles,  # tiles per segment (NUM_SEGMENTS > 1)
+    min_seg_tiles,  # the least tiles per segment (NUM_SEGMENTS > 1)
     block_tables_ptr,  # (S, max_blocks) int32
     seq_lens_ptr,  # (S,) int32: context after this step
     cu_q_ptr,  # (S + 1,) int32: cumulative query lengths
@@ -213,6 +218,7 @@ def _attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     cached = seq_len - q_len
+    seg_tiles = _segment_tiles(seq_len, min_seg_tiles, TILE, NUM_SEGMENTS)
     if NUM_SEGMENTS > 1:  # a span past the context: nothing to write, the merge skips it
         if segment * seg_tiles >= tl.cdiv(seq_len, TILE):
             return
@@ -237,7 +243,7 @@ def _attention_kernel(
     first = tl.where(window > 0, tl.maximum(cached + q_local * BLOCK_Q - window + 1, 0), 0)
     tile_lo = first // TILE
     tile_hi = tl.cdiv(end, TILE)
-    if NUM_SEGMENTS > 1:  # fixed spans of keys: the split does not depend on the batch
+    if NUM_SEGMENTS > 1:  # the row's own spans: the split does not depend on the batch
         tile_lo = tl.maximum(tile_lo, segment * seg_tiles)
         tile_hi = tl.minimum(tile_hi, (segment + 1) * seg_tiles)
 
@@ -286,12 +292,19 @@ def _attention_kernel(
 
 
 @triton.jit
+def _segment_tiles(seq_len, min_tiles, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """Tiles per segment of a decode row: its own context over NUM_SEGMENTS spans, at least
+    min_tiles each (a function of the row alone)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE), NUM_SEGMENTS), min_tiles)
+
+
+@triton.jit
 def _merge_segments_kernel(
     out_ptr,  # (T, H, D)
     part_ptr,  # (T, H, NUM_SEGMENTS, HEAD_PAD) fp32
     ml_ptr,  # (T, H, NUM_SEGMENTS, 2) fp32
     seq_lens_ptr,  # (T,): a decode group's token t is its sequence t
-    seg_tiles,
+    min_seg_tiles,
     num_heads,
     stride_ot,
     stride_oh,
@@ -306,7 +319,9 @@ def _merge_segments_kernel(
     row = t * num_heads + h
     segs = tl.arange(0, SEG_PAD)
     # Only the spans that hold keys were written (the others returned at once).
-    written = tl.cdiv(tl.cdiv(tl.load(seq_lens_ptr + t), TILE), seg_tiles)
+    seq_len = tl.load(seq_lens_ptr + t)
+    seg_tiles = _segment_tiles(seq_len, min_seg_tiles, TILE, NUM_SEGMENTS)
+    written = tl.cdiv(tl.cdiv(seq_len, TILE), seg_tiles)
     seg_ok = (segs < NUM_SEGMENTS) & (segs < written)
     offs_d = tl.arange(0, HEAD_PAD)
     m = tl.load(ml_ptr + (row * NUM_SEGMENTS + segs) * 2, mask=seg_ok, other=float("-inf"))
@@ -325,12 +340,14 @@ def _merge_segments_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def decode_split(max_context: int, max_segments: int = MAX_SEGMENTS) -> tuple[int, int]:
-    """(segments, tiles per segment) for decode rows of contexts up to `max_context`: at most
-    `max_segments` spans of whole tiles. Fixed per engine (from session_len)."""
+def decode_split(
+    max_context: int, max_segments: int = MAX_SEGMENTS, min_tiles: int = MIN_SEGMENT_TILES
+) -> int:
+    """The key segments of a decode row (the grid's third axis): at most `max_segments`, and no
+    more than the longest context fills at `min_tiles` tiles each. Fixed per engine (from
+    session_len); each row spreads its own keys over them (_segment_tiles)."""
     tiles = max(1, -(-max_context // TILE))
-    per = -(-tiles // max(1, max_segments))
-    return -(-tiles // per), per
+    return max(1, min(max_segments, -(-tiles // max(1, min_tiles))))
 
 
 def block_m(group_size: int, max_query_len: int = 1) -> int:
@@ -345,12 +362,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, max_context: int | None = None, max_segments: int | None = None) -> None:
+    def __init__(
+        self,
+        max_context: int | None = None,
+        max_segments: int | None = None,
+        min_segment_tiles: int = MIN_SEGMENT_TILES,
+    ) -> None:
         # The decode split: from the engine's session_len (else each group's longest
         # context); at most max_segments spans (default MAX_SEGMENTS on CUDA, 1 in Triton's
-        # interpreter, which runs programs one by one).
+        # interpreter, which runs programs one by one) of at least min_segment_tiles tiles.
         self.max_context = max_context
         self.max_segments = max_segments
+        self.min_segment_tiles = min_segment_tiles
 
     def prepare(self, md: AttentionMetadata, cache: KVCache) -> None:
         """Per group: int32 block tables, context lengths and cumulative query lengths, built
@@ -359,12 +382,13 @@ class TritonAttentionBackend(AttentionBackend):
             num_seqs = g.query_lens.shape[0]
             cu_q = torch.zeros(num_seqs + 1, dtype=torch.int32, device=g.query_lens.device)
             torch.cumsum(g.query_lens, 0, out=cu_q[1:])
-            split = (1, 0)
+            split = (1, self.min_segment_tiles)
             if g.max_query_len == 1:
                 most = self.max_segments
                 if most is None:
                     most = MAX_SEGMENTS if cache.k.device.type == "cuda" else 1
-                split = decode_split(self.max_context or g.max_context_len, most)
+                context = self.max_context or g.max_context_len
+                split = (decode_split(context, most, self.min_segment_tiles), split[1])
             g.prepared = {
                 "cu_q": cu_q,
                 "seq_lens": g.context_lens.to(torch.int32),
@@ -405,7 +429,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     group = h // hkv
     bm = block_m(group, g.max_query_len)
     block_q = bm // group
-    segments, seg_tiles = p["split"]
+    segments, min_seg_tiles = p["split"]
     k = cache.k[layer].view(-1, hkv, cache.k.shape[-1])
     v = cache.v[layer].view(-1, hkv, cache.v.shape[-1])
     quant = cache.quant_policy
@@ -421,7 +445,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
         so_t, so_h, so_s = out.stride(0), out.stride(1), 1
     grid = (t // block_q + num_seqs, hkv, segments)
     _attention_kernel[grid](
-        target, q, k, v, ksz, vsz, ml, seg_tiles, p["tables"], p["seq_lens"], p["cu_q"],
+        target, q, k, v, ksz, vsz, ml, min_seg_tiles, p["tables"], p["seq_lens"], p["cu_q"],
         num_seqs, h, scale * _LOG2E, md.sliding_window or 0, md.block_size, p["tables"].stride(0),
         q.stride(0), q.stride(1), so_t, so_h, so_s,
         k.stride(0), k.stride(1), ksz.stride(0), ksz.stride(1),
@@ -431,7 +455,7 @@ def _group_attention(q, out, cache: KVCache, layer: int, g: AttentionGroup, md, 
     )  # fmt: skip
     if segments > 1:
         _merge_segments_kernel[(t, h)](
-            out, target, ml, p["seq_lens"], seg_tiles, h, out.stride(0), out.stride(1),
+            out, target, ml, p["seq_lens"], min_seg_tiles, h, out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_PAD=pad, NUM_SEGMENTS=segments, SEG_PAD=next_power_of_2(segments),
             TILE=TILE,
         )  # fmt: skip

@@ -76,13 +76,14 @@ def _run_both(
     window=None,
     dtype=torch.float32,
     max_segments=None,
+    min_segment_tiles=1,
     seed=0,
 ):
     """-> (reference output, triton output, reference cache, triton cache, new slots)."""
     torch.manual_seed(seed)
     heads, num_blocks = kv_heads * group, 48
     ref = TorchAttentionBackend()
-    tri = TritonAttentionBackend(max_segments=max_segments)
+    tri = TritonAttentionBackend(max_segments=max_segments, min_segment_tiles=min_segment_tiles)
     shape = (1, num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE, quant)
     c_ref, c_tri = ref.allocate(*shape), tri.allocate(*shape)
     tables, hist, new = _layout(seqs, block_size, num_blocks)
@@ -141,18 +142,21 @@ def test_sliding_window_matches_reference(quant, window):
 
 @pytest.mark.parametrize("quant", [0, 4])
 @pytest.mark.parametrize("segments", [2, 3, 32])
-def test_split_decode_segments_match_reference(quant, segments):
-    """Decode splits each sequence's keys into fixed spans; a short context's later spans
-    see no key at all, and a window leaves the first spans empty."""
-    _check(DECODE, quant=quant, max_segments=segments, group=4)
-    _check(DECODE, quant=quant, max_segments=segments, window=9)
+@pytest.mark.parametrize("min_tiles", [1, 2])
+def test_split_decode_segments_match_reference(quant, segments, min_tiles):
+    """Decode spreads each row's keys over the segments in whole tiles (at least min_tiles
+    each); a short context leaves the later segments without keys, and a window leaves the
+    first ones empty."""
+    kw = dict(quant=quant, max_segments=segments, min_segment_tiles=min_tiles)
+    _check(DECODE, group=4, **kw)
+    _check(DECODE, window=9, **kw)
 
 
 def test_a_decode_row_does_not_depend_on_its_batch():
-    """Segments have a fixed length (from the longest context), so a row's bits are the same
-    alone or in a batch (a padded CUDA graph bucket is a batch)."""
+    """A row's split follows from its own context, so its bits are the same alone or in a
+    batch with longer and shorter rows (a padded CUDA graph bucket is a batch)."""
     torch.manual_seed(0)
-    tri = TritonAttentionBackend(max_context=256, max_segments=8)
+    tri = TritonAttentionBackend(max_context=128, max_segments=2, min_segment_tiles=1)
     cache = tri.allocate(1, 16, 16, 2, 16, torch.float32, DEVICE, 4)
     for t in (cache.k, cache.v):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
@@ -175,8 +179,10 @@ def test_a_decode_row_does_not_depend_on_its_batch():
         tri.prepare(md, cache)
         return tri.forward(q[q_rows], cache, 0, md, 0.25)
 
-    alone = decode([1], [100], [1])
-    batch = decode([0, 1, 1], [30, 100, 1], [0, 1, 2])
+    # alone, 40 keys are two 1-tile segments; a split that followed the batch's longest row
+    # (128 keys: 2 tiles per segment) would sum them in one
+    alone = decode([1], [40], [1])
+    batch = decode([0, 1, 1], [128, 40, 1], [0, 1, 2])
     assert torch.equal(alone[0], batch[1])
 
 
@@ -224,17 +230,18 @@ def test_decode_split_covers_the_longest_context_in_whole_tiles():
     from steadylm.attention.triton_attn import MAX_SEGMENTS, TILE
 
     assert memory._SPLIT_SEGMENTS == MAX_SEGMENTS  # the plan counts the partials it needs
-    assert decode_split(32768, 32) == (32, 32768 // TILE // 32)
-    assert decode_split(100, 32) == (-(-100 // TILE), 1)  # one tile each
-    segments, per = decode_split(1000, 3)
-    assert segments <= 3 and segments * per * TILE >= 1000
+    assert decode_split(32768, 32, 4) == 32
+    assert decode_split(100, 32, 1) == -(-100 // TILE)  # one tile each
+    assert decode_split(1000, 32, 4) == -(-1000 // (4 * TILE))  # no segment always empty
+    assert decode_split(1000, 3, 4) == 3
+    assert decode_split(10, 32, 4) == 1
 
 
 def test_padded_rows_leave_real_rows_alone():
     """A CUDA graph bucket pads its batch with rows of context 1 whose table names block 0,
     whatever it holds (NaN here); a row with context 0 gives zeros. Real rows are exact."""
     torch.manual_seed(1)
-    tri = TritonAttentionBackend(max_context=64, max_segments=4)
+    tri = TritonAttentionBackend(max_context=64, max_segments=4, min_segment_tiles=1)
     cache = tri.allocate(1, 4, 16, 2, 16, torch.float32, DEVICE, 0)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))
