@@ -4,6 +4,8 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_GEMM`: `onednn` (default) or `torch`, the dense matmul on the CPU.
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
+- `STEADYLM_CUDA_KERNELS`: `triton` (default) or `torch`, the small-op kernels on CUDA
+  (steadylm/kernels/triton_ops.py: RMSNorm, SiLU-and-multiply, rotary).
 - `STEADYLM_ATTENTION_BACKEND`: `auto` (default: Triton on CUDA where triton imports, else the
   torch reference), `torch` or `triton` (vLLM users know it as `VLLM_ATTENTION_BACKEND`).
 - `TRITON_INTERPRET=1` (Triton's own): Triton kernels run on CPU tensors in Triton's
@@ -134,6 +136,12 @@ def cpu_allreduce() -> str:
 def cpu_kernels() -> str:
     """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
     return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))
+
+
+def cuda_kernels() -> str:
+    """'triton': the small ops of a layer run as steadylm's Triton kernels on CUDA; 'torch':
+    their references."""
+    return _choice("STEADYLM_CUDA_KERNELS", ("triton", "torch"))
 
 
 def triton_interpreted() -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadylm import kernels
+from steadylm import kernels, platform
+from steadylm.errors import ConfigError
 from steadylm.layers.rotary import RotaryEmbedding, rotate_ref
 from tests.conftest import triton_device
 
@@ -96,3 +97,15 @@ def test_the_entry_points_pick_triton_on_cuda_only():
     assert kernels.triton_ops_for(x) is None  # CPU tensors: native kernels or references
     if CUDA:
         assert kernels.triton_ops_for(x.cuda()) is triton_ops
+
+
+def test_steadylm_cuda_kernels_torch_selects_the_references(monkeypatch):
+    monkeypatch.setenv("STEADYLM_CUDA_KERNELS", "torch")
+    monkeypatch.delitem(kernels._state, "triton", raising=False)
+    assert platform.cuda_kernels() == "torch"
+    if CUDA:
+        assert kernels.triton_ops_for(torch.randn(2, 8, device="cuda")) is None
+    monkeypatch.delitem(kernels._state, "triton", raising=False)  # chosen again after the test
+    monkeypatch.setenv("STEADYLM_CUDA_KERNELS", "fast")
+    with pytest.raises(ConfigError, match="STEADYLM_CUDA_KERNELS"):
+        platform.cuda_kernels()

@@ -10,7 +10,8 @@ The kernels are compiled once per machine and torch version with torch.utils.cpp
 (`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time). If
 that fails (no compiler, no ninja) the engine logs why and runs the references.
 `STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors take the Triton kernels of
-`triton_ops.py` (one launch per op) where Triton runs, the references otherwise.
+`triton_ops.py` (one launch per op) where Triton runs, the references otherwise or with
+`STEADYLM_CUDA_KERNELS=torch`.
 
 Every entry point takes the same arguments as its reference and falls back to it for inputs
 the kernel does not cover (non-contiguous, other dtypes, other devices).
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the loaded namespace or None, "error": why not
+# "ops": the loaded native namespace or None, "error": why not; "triton": triton_ops or None
+_state: dict[str, object] = {}
 
 
 def _build_name() -> str:
@@ -171,14 +173,14 @@ def paged_decode_attention_ref(
 
 
 def triton_ops_for(*tensors: torch.Tensor):
-    """steadylm.kernels.triton_ops if every tensor is a CUDA tensor and Triton runs there (one
-    kernel per small op of a decoder layer), else None."""
+    """steadylm.kernels.triton_ops if every tensor is a CUDA tensor, Triton runs there and
+    STEADYLM_CUDA_KERNELS is not `torch` (one kernel per small op of a layer), else None."""
     for t in tensors:
         if t.device.type != "cuda":
             return None
     if "triton" not in _state:
         _state["triton"] = None
-        if platform.triton_usable(tensors[0].device):
+        if platform.cuda_kernels() == "triton" and platform.triton_usable(tensors[0].device):
             from steadylm.kernels import triton_ops
 
             _state["triton"] = triton_ops
