@@ -703,8 +703,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 // ---- small-batch linear over oneDNN's packed weight -------------------------------------
 // A decode step at batch 1-4 is a chain of GEMVs bound by how fast the weights stream from
-// memory; oneDNN's matmul read them at 0.75-0.81 of a plain torch.sum's rate here, this loop
-// at 0.86-0.93 (benchmarks/gemv_share.py, docs/benchmarks.md). It reads the weight oneDNN reordered at load time, in place, so the
+// memory; oneDNN's matmul read them at 0.43-0.81 of a plain torch.sum's rate on the VMs here,
+// this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). It reads the weight
+// oneDNN reordered at load time, in place, so the
 // model keeps one copy: the caller (layers/linear.py) checks the layout exactly once per
 // layer and passes the buffer's address. Layouts read here, with N a multiple of 64:
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
