@@ -60,6 +60,20 @@ def test_rms_norm_of_strided_heads(dtype):
     close(got, kernels.rms_norm_ref(q.contiguous(), w, 1e-6))
 
 
+def test_other_ranks_keep_their_shape_as_the_references_do():
+    x, w = rand(2, 3, 4, 32, dtype=torch.float32), rand(32, dtype=torch.float32, seed=1)
+    close(triton_ops.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6))
+    close(triton_ops.rms_norm(x[0, 0, 0], w, 1e-6), kernels.rms_norm_ref(x[0, 0, 0], w, 1e-6))
+    close(
+        triton_ops.rms_norm(x[..., ::2], w[:16], 1e-6),
+        kernels.rms_norm_ref(x[..., ::2], w[:16], 1e-6),
+    )
+    y = rand(2, 3, 64, dtype=torch.float32)
+    got = triton_ops.silu_and_mul(y)
+    assert got.shape == (2, 3, 32)
+    close(got, kernels.silu_and_mul_ref(y))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [48, 1000, 2816])
 def test_silu_and_mul_matches_the_reference(dtype, n):

@@ -62,15 +62,15 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """norm(x) over the last dim, or norm(x + residual) with the sum written into `residual`
-    (contiguous, x's shape). x may be a strided view of (T, N) or (T, R, N) rows (the q / k
-    heads of a fused qkv output), with unit stride along N."""
+    (contiguous, x's shape). x may be a strided view (the q / k heads of a fused qkv output,
+    (T, R, N), read in place); the output is contiguous, x's shape."""
     n = x.shape[-1]
-    if x.stride(-1) != 1 or x.dim() > 3:
-        x = x.contiguous()
-    rows = x.shape[1] if x.dim() == 3 else 1
-    stride_xt = x.stride(0) if x.dim() > 1 else n
-    stride_xh = x.stride(1) if x.dim() == 3 else 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.dim() != 3:
+        x = x.reshape(-1, 1, n)  # rows of N (a copy only where they are not evenly strided)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, stride_xt, stride_xh = x.shape[1], x.stride(0), x.stride(1)
     if out.numel() == 0:
         return out
     block = next_power_of_2(n)
@@ -96,18 +96,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, N, stride_xt, BLOCK: tl.constexpr):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (T, 2N) = [gate | up] -> silu(gate) * up (T, N)."""
+    """x (..., 2N) = [gate | up] -> silu(gate) * up (..., N)."""
+    shape = x.shape
     if x.stride(-1) != 1 or x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = x.reshape(-1, shape[-1]).contiguous()
     n = x.shape[1] // 2
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
-        return out
+        return out.view(*shape[:-1], n)
     block = min(1024, next_power_of_2(n))
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](
         x, out, n, x.stride(0), BLOCK=block, num_warps=_warps(block)
     )
-    return out
+    return out.view(*shape[:-1], n)
 
 
 @triton.jit
