@@ -382,18 +382,18 @@ class TritonAttentionBackend(AttentionBackend):
             num_seqs = g.query_lens.shape[0]
             cu_q = torch.zeros(num_seqs + 1, dtype=torch.int32, device=g.query_lens.device)
             torch.cumsum(g.query_lens, 0, out=cu_q[1:])
-            split = (1, self.min_segment_tiles)
+            segments = 1
             if g.max_query_len == 1:
                 most = self.max_segments
                 if most is None:
                     most = MAX_SEGMENTS if cache.k.device.type == "cuda" else 1
                 context = self.max_context or g.max_context_len
-                split = (decode_split(context, most, self.min_segment_tiles), split[1])
+                segments = decode_split(context, most, self.min_segment_tiles)
             g.prepared = {
                 "cu_q": cu_q,
                 "seq_lens": g.context_lens.to(torch.int32),
                 "tables": g.block_tables.to(torch.int32),
-                "split": split,
+                "split": (segments, self.min_segment_tiles),
             }
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
