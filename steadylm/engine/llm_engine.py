@@ -92,6 +92,8 @@ class LLMEngine:
             platform.tune_cpu_allocator()
             # Built (once per machine) or loaded now, not inside the first request's step.
             logger.info("CPU kernels: %s", kernels.status())
+        elif device.type == "cuda":  # a bad STEADYLM_CUDA_KERNELS fails here, not in a step
+            logger.info("CUDA small-op kernels: %s", platform.cuda_kernels())
         watermark = config.watermark_blocks
         if watermark is None:
             watermark = max(1, plan.num_blocks // 100) if plan.num_blocks > 8 else 0
