@@ -1,13 +1,15 @@
 """Paged decode attention at long context, as a share of a plain read of the same KV bytes.
 
 Builds the benchmark model's KV cache shape (12 layers, 4 KV heads of 64, 12 query heads,
-64-token blocks in a shuffled block table, fp32 or bf16) for one sequence at each context,
-and for `--seconds` alternates: a torch.sum read of every layer's K and V blocks (best of 3)
-and the 12 layers' native paged decode attention (`kernels.native_decode_attention`, best of
-3). Prints, per context, the median of attention time / read time (1.0 = as fast as reading
-the bytes) and the attention's ms per step, so the VM's drifting bandwidth cancels.
+64-token blocks in a shuffled block table, fp32 or bf16; `--quant-policy 8 / 4` for an int8 /
+int4 cache) for `--batch` sequences at each context, and for `--seconds` alternates: a
+torch.sum read of every layer's K and V blocks (with their scale/zero, best of 3) and the 12
+layers' native paged decode attention (best of 3): `kernels.native_decode_attention` for an
+unquantized cache, `kernels.native_paged_attention` for a quantized one (what the engine
+runs). Prints, per context, the median of attention time / read time (1.0 = as fast as
+reading the bytes) and the attention's ms per step, so the VM's drifting bandwidth cancels.
 
-    python benchmarks/decode_attention_share.py --seconds 60
+    python benchmarks/decode_attention_share.py --seconds 60 [--quant-policy 8] [--batch 16]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import torch
 
 from steadylm import kernels
+from steadylm.attention.torch_ref import quantize_kv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from membw import best_time, print_json  # noqa: E402
@@ -28,23 +31,38 @@ from membw import best_time, print_json  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 64
 
 
-def measure(attend, ctx: int, dtype: torch.dtype, layers: int, seconds: float) -> dict:
+def measure(attend, ctx: int, dtype, layers: int, seconds: float, bits: int, batch: int) -> dict:
     nb = -(-ctx // BLOCK)
-    shape = (nb, BLOCK, KV_HEADS, HEAD_DIM)
-    k = [torch.randn(shape).to(dtype) for _ in range(layers)]
-    v = [torch.randn(shape).to(dtype) for _ in range(layers)]
-    table = torch.randperm(nb).view(1, nb)
-    lens = torch.tensor([ctx])
-    q = torch.randn(1, HEADS, HEAD_DIM).to(dtype)
+    shape = (batch * nb, BLOCK, KV_HEADS, HEAD_DIM)
+
+    def cache():  # what one layer's K (or V) holds: plain rows, or codes and scale/zero
+        x = torch.randn(shape).to(dtype)
+        return (x,) if not bits else quantize_kv(x, bits)
+
+    k = [cache() for _ in range(layers)]
+    v = [cache() for _ in range(layers)]
+    table = torch.randperm(batch * nb).view(batch, nb)
+    lens = torch.full((batch,), ctx)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    seq = torch.arange(batch)
+
+    # The read: float32 buffers of each layer's K and V bytes (a torch.sum of uint8 codes is
+    # bound by its int64 accumulation, not by memory).
+    plain = [
+        torch.ones(sum(t.numel() * t.element_size() for t in (*kl, *vl)) // 4)
+        for kl, vl in zip(k, v)
+    ]
 
     def read():
-        for kl, vl in zip(k, v):
-            kl.sum()
-            vl.sum()
+        for t in plain:
+            t.sum()
 
     def attention():
         for kl, vl in zip(k, v):
-            attend(q, kl, vl, table, lens, HEAD_DIM**-0.5, 0)
+            if bits:
+                attend(q, kl[0], vl[0], kl[1], vl[1], table, seq, lens, HEAD_DIM**-0.5, 0, bits)
+            else:
+                attend(q, kl[0], vl[0], table, lens, HEAD_DIM**-0.5, 0)
 
     ratios, times = [], []
     t0 = time.time()
@@ -66,18 +84,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--contexts", default="2048,8192,16384")
+    ap.add_argument("--quant-policy", type=int, default=0, choices=[0, 4, 8])
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    attend = kernels.native_decode_attention(dtype, torch.device("cpu"))
+    bits = args.quant_policy
+    native = kernels.native_paged_attention if bits else kernels.native_decode_attention
+    attend = native(dtype, torch.device("cpu"))
     if attend is None:
         print(f"no native decode attention here ({kernels.status()})")
         return 1
     torch.manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]
     seconds = args.seconds / len(contexts)
-    out = {str(c): measure(attend, c, dtype, args.layers, seconds) for c in contexts}
+    out = {
+        str(c): measure(attend, c, dtype, args.layers, seconds, bits, args.batch) for c in contexts
+    }
     print_json(out, args.json)
     return 0
 

@@ -116,8 +116,10 @@ def test_gemv_share_produces_a_result(tmp_path):
     assert got["rounds"] >= 1 and got["gemv"] > 0 and got["onednn"] > 0
 
 
-def test_decode_attention_share_produces_a_result(tmp_path):
-    """The decode-attention-vs-read microbenchmark still runs (one layer, one round each)."""
+@pytest.mark.parametrize("extra", [(), ("--quant-policy", "4", "--batch", "3")])
+def test_decode_attention_share_produces_a_result(tmp_path, extra):
+    """The decode-attention-vs-read microbenchmark still runs (one layer, one round each), on
+    a plain cache and on a quantized one at batch 3."""
     from steadylm import kernels
 
     if kernels.native_decode_attention(torch.float32, torch.device("cpu")) is None:
@@ -126,6 +128,7 @@ def test_decode_attention_share_produces_a_result(tmp_path):
     run(
         "benchmarks/decode_attention_share.py",
         *("--seconds", "0", "--layers", "1", "--contexts", "100,300", "--json", str(out)),
+        *extra,
     )
     got = json.loads(out.read_text())
     assert set(got) == {"100", "300"}
