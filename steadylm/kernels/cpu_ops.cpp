@@ -599,11 +599,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // a preemption or from a prefix-cache hit gives the same bits; with a quantized cache this is
 // what keeps the KV codes written after it identical too (one ulp can move a 4-bit code).
 //
-// Work items are (tile of up to kQTile consecutive rows of one sequence, span, group of KV
-// heads): the span's K and V rows are dequantized to fp32 once, whole cached rows front to
-// back (a KV head's part of a row is one cache line: reading it alone strides the memory),
-// and reused by the tile's rows and the G query heads that share each KV head. An item takes
-// every KV head unless there are too few (tile, span) pairs to go round the threads. The engine runs it for quant_policy 8 / 4 (decode and
+// Work items are (tile of up to kQTile consecutive rows of one sequence, KV head, span): the
+// span's K and V rows are dequantized to fp32 once and reused by the tile's rows and the G
+// query heads that share the KV head. The engine runs it for quant_policy 8 / 4 (decode and
 // prefill); unquantized caches keep the decode kernel above and SDPA for prefill, 2-5x faster
 // on long prefills than this per-row formulation (attention measured alone, 1 thread).
 constexpr int64_t kSpan = 256;
@@ -725,15 +723,12 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
     pmax.assign(P, -std::numeric_limits<float>::infinity());
     psum.assign(P, 0.f);
     pacc.assign(P * D, 0.f);
-    const int64_t pairs = (tile1 - tile0) * max_span;
-    const int64_t groups = pairs >= 4 * at::get_num_threads() ? 1 : hkv;
-    const int64_t group_heads = hkv / groups;
-    at::parallel_for(0, pairs * groups, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> kbuf, vbuf, qf(kQTile * G * D), p(kQTile * G * kSpan);
-      if (!kr.in_place()) kbuf.resize(group_heads * kSpan * D), vbuf.resize(group_heads * kSpan * D);
+      if (!kr.in_place()) kbuf.resize(kSpan * D), vbuf.resize(kSpan * D);
       for (int64_t item = i0; item < i1; ++item) {
-        const int64_t span = item % max_span, group = (item / max_span) % groups;
-        const int64_t tile = tile0 + item / max_span / groups;
+        const int64_t span = item % max_span, hk = (item / max_span) % hkv;
+        const int64_t tile = tile0 + item / max_span / hkv;
         const int64_t t0 = tile_start[tile], t1 = tile_start[tile + 1];
         const int64_t s_lo = span * kSpan;
         int64_t ra[kQTile], rb[kQTile];  // each row's keys in this span: [ra, rb)
@@ -747,73 +742,63 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         if (lo >= hi) continue;
         const int64_t* table = tp + sp[t0] * max_blocks;
         auto slot_of = [&](int64_t pos) { return table[pos / bs] * bs + pos % bs; };
-        const int64_t hk0 = group * group_heads, hk1 = hk0 + group_heads;
-        // The buffers: (head of the group, position, D), each head's rows D apart.
         if (!kr.in_place())
           for (int64_t pos = lo; pos < hi; ++pos) {
-            const int64_t slot = slot_of(pos);
-            for (int64_t hk = hk0; hk < hk1; ++hk) {
-              const int64_t at = ((hk - hk0) * kSpan + pos - lo) * D;
-              kr.row(slot, hk, kbuf.data() + at);
-              vr.row(slot, hk, vbuf.data() + at);
-            }
+            kr.row(slot_of(pos), hk, kbuf.data() + (pos - lo) * D);
+            vr.row(slot_of(pos), hk, vbuf.data() + (pos - lo) * D);
           }
-        for (int64_t hk = hk0; hk < hk1; ++hk) {
-          const float* kh = kbuf.data() + (hk - hk0) * kSpan * D;
-          const float* vh = vbuf.data() + (hk - hk0) * kSpan * D;
-          auto krow = [&](int64_t pos) {
-            return kr.in_place() ? kr.at(slot_of(pos), hk) : kh + (pos - lo) * D;
-          };
-          auto vrow = [&](int64_t pos) {
-            return vr.in_place() ? vr.at(slot_of(pos), hk) : vh + (pos - lo) * D;
-          };
-          for (int64_t t = t0; t < t1; ++t)
-            for (int64_t g = 0; g < G; ++g)
-              for (int64_t d = 0; d < D; ++d)
-                qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
-          // Rows of K (and V) are `stride` apart: a whole block's run in place, the span in
-          // the dequantized buffers. Scores go by runs of up to kDotKeys keys (aligned to
-          // absolute positions, inside one block), each run read once for the tile's rows and
-          // G heads; dot_keys gives a key the same bits whether it is scored in a run or alone.
-          const int64_t stride = kr.in_place() ? hkv * D : D;
-          auto run_end = [&](int64_t pos, int64_t limit) {  // the run of rows from pos
-            return kr.in_place() ? std::min(limit, (pos / bs + 1) * bs) : limit;
-          };
-          for (int64_t pos = lo; pos < hi;) {
-            const int64_t end = run_end(pos, std::min(hi, (pos / kDotKeys + 1) * kDotKeys));
-            const float* k = krow(pos);
-            for (int64_t r = 0; r < t1 - t0; ++r) {
-              const int64_t a = std::max(pos, ra[r]), b = std::min(end, rb[r]);
-              if (a >= b) continue;
-              for (int64_t g = 0; g < G; ++g) {
-                const float* qh = qf.data() + (r * G + g) * D;
-                float* out = p.data() + (r * G + g) * kSpan - s_lo;
-                if (b - a == kDotKeys) {
-                  dot_keys<kDotKeys>(qh, k, stride, D, out + a);
-                } else {
-                  for (int64_t x = a; x < b; ++x)
-                    dot_keys<1>(qh, k + (x - pos) * stride, stride, D, out + x);
-                }
-              }
-            }
-            pos = end;
-          }
+        auto krow = [&](int64_t pos) {
+          return kr.in_place() ? kr.at(slot_of(pos), hk) : kbuf.data() + (pos - lo) * D;
+        };
+        auto vrow = [&](int64_t pos) {
+          return vr.in_place() ? vr.at(slot_of(pos), hk) : vbuf.data() + (pos - lo) * D;
+        };
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
+        // Rows of K (and V) are `stride` apart: a whole block's run in place, the span in
+        // the dequantized buffers. Scores go by runs of up to kDotKeys keys (aligned to
+        // absolute positions, inside one block), each run read once for the tile's rows and
+        // G heads; dot_keys gives a key the same bits whether it is scored in a run or alone.
+        const int64_t stride = kr.in_place() ? hkv * D : D;
+        auto run_end = [&](int64_t pos, int64_t limit) {  // the run of rows from pos
+          return kr.in_place() ? std::min(limit, (pos / bs + 1) * bs) : limit;
+        };
+        for (int64_t pos = lo; pos < hi;) {
+          const int64_t end = run_end(pos, std::min(hi, (pos / kDotKeys + 1) * kDotKeys));
+          const float* k = krow(pos);
           for (int64_t r = 0; r < t1 - t0; ++r) {
-            if (ra[r] >= rb[r]) continue;
-            const int64_t n = rb[r] - ra[r];
+            const int64_t a = std::max(pos, ra[r]), b = std::min(end, rb[r]);
+            if (a >= b) continue;
             for (int64_t g = 0; g < G; ++g) {
-              float* pr = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
-              const float m = max_of(pr, n);
-              const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
-              pmax[i] = m;
-              psum[i] = exp_sum(pr, n, m);
-              // Values in position order, each run accumulated in registers.
-              for (int64_t x = ra[r]; x < rb[r];) {
-                const int64_t end = run_end(x, rb[r]);
-                weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride,
-                                     end - x, D);
-                x = end;
+              const float* qh = qf.data() + (r * G + g) * D;
+              float* out = p.data() + (r * G + g) * kSpan - s_lo;
+              if (b - a == kDotKeys) {
+                dot_keys<kDotKeys>(qh, k, stride, D, out + a);
+              } else {
+                for (int64_t x = a; x < b; ++x)
+                  dot_keys<1>(qh, k + (x - pos) * stride, stride, D, out + x);
               }
+            }
+          }
+          pos = end;
+        }
+        for (int64_t r = 0; r < t1 - t0; ++r) {
+          if (ra[r] >= rb[r]) continue;
+          const int64_t n = rb[r] - ra[r];
+          for (int64_t g = 0; g < G; ++g) {
+            float* pr = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
+            const float m = max_of(pr, n);
+            const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
+            pmax[i] = m;
+            psum[i] = exp_sum(pr, n, m);
+            // Values in position order, each run accumulated in registers.
+            for (int64_t x = ra[r]; x < rb[r];) {
+              const int64_t end = run_end(x, rb[r]);
+              weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride, end - x,
+                                   D);
+              x = end;
             }
           }
         }
