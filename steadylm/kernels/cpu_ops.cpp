@@ -617,48 +617,6 @@ inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
   }
 }
 
-// kVec 8-bit codes at c as fp32.
-inline Vec codes8(const uint8_t* c) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-#else
-  float f[kVec];
-  for (int64_t i = 0; i < kVec; ++i) f[i] = c[i];
-  return Vec::loadu(f);
-#endif
-}
-
-// kVec 4-bit codes from the kVec / 2 bytes at c (low nibble first) as fp32.
-inline Vec codes4(const uint8_t* c) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  int64_t bytes = 0;
-  std::memcpy(&bytes, c, kVec / 2);  // 8 or 4 bytes, never past the row
-  const __m128i b = _mm_cvtsi64_si128(bytes), m = _mm_set1_epi8(0x0F);
-  const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
-#else
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
-#endif
-#else
-  float f[kVec];
-  for (int64_t i = 0; i < kVec; ++i) f[i] = i % 2 ? c[i / 2] >> 4 : c[i / 2] & 0xF;
-  return Vec::loadu(f);
-#endif
-}
-
-// x rounded to T and back (bf16: round to nearest even, as c10::BFloat16's conversion).
-template <typename T>
-inline Vec round_vec(const Vec& x) {
-  if constexpr (std::is_same<T, float>::value) {
-    return x;
-  } else {
-    return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(x, x)));
-  }
-}
-
 template <typename T>
 struct KVReader {
   const uint8_t* codes;  // bits 8 / 4
@@ -670,21 +628,25 @@ struct KVReader {
   const float* at(int64_t slot, int64_t h) const {
     return reinterpret_cast<const float*>(plain) + (slot * hkv + h) * d;
   }
-  // One cached token's row for KV head h as fp32: out (D,), a vector of codes at a time.
+  // One cached token's row for KV head h as fp32: out (D,).
   void row(int64_t slot, int64_t h, float* out) const {
     const int64_t idx = slot * hkv + h;
-    if (bits == 0) return to_float_n(plain + idx * d, out, d);
-    const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
-    const Vec sv(scale), zv(zero);
-    const uint8_t* c = codes + idx * (bits == 8 ? d : d / 2);
-    int64_t i = 0;
-    for (; i + kVec <= d; i += kVec) {
-      const Vec x = bits == 8 ? codes8(c + i) : codes4(c + i / 2);
-      round_vec<T>(round_vec<T>(x * sv) + zv).store(out + i);
+    if (bits == 0) {
+      const T* x = plain + idx * d;
+      for (int64_t i = 0; i < d; ++i) out[i] = to_f(x[i]);
+      return;
     }
-    for (; i < d; ++i) {  // a D tail (D is even, so a 4-bit tail starts on a byte)
-      const int code = bits == 8 ? c[i] : (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 0xF);
-      out[i] = round_to<T>(round_to<T>(static_cast<float>(code) * scale) + zero);
+    const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
+    if (bits == 8) {
+      const uint8_t* c = codes + idx * d;
+      for (int64_t i = 0; i < d; ++i)
+        out[i] = round_to<T>(round_to<T>(static_cast<float>(c[i]) * scale) + zero);
+    } else {
+      const uint8_t* c = codes + idx * (d / 2);
+      for (int64_t i = 0; i < d / 2; ++i) {
+        out[2 * i] = round_to<T>(round_to<T>(static_cast<float>(c[i] & 0xF) * scale) + zero);
+        out[2 * i + 1] = round_to<T>(round_to<T>(static_cast<float>(c[i] >> 4) * scale) + zero);
+      }
     }
   }
 };
