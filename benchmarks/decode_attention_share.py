@@ -3,11 +3,12 @@
 Builds the benchmark model's KV cache shape (12 layers, 4 KV heads of 64, 12 query heads,
 64-token blocks in a shuffled block table, fp32 or bf16; `--quant-policy 8 / 4` for an int8 /
 int4 cache) for `--batch` sequences at each context, and for `--seconds` alternates: a
-torch.sum read of every layer's K and V blocks (with their scale/zero, best of 3) and the 12
-layers' native paged decode attention (best of 3): `kernels.native_decode_attention` for an
-unquantized cache, `kernels.native_paged_attention` for a quantized one (what the engine
-runs). Prints, per context, the median of attention time / read time (1.0 = as fast as
-reading the bytes) and the attention's ms per step, so the VM's drifting bandwidth cancels.
+torch.sum read of fp32 buffers as large as every layer's K and V (codes and scale/zero
+included; best of 3) and the 12 layers' native paged decode attention (best of 3):
+`kernels.native_decode_attention` for an unquantized cache, `kernels.native_paged_attention`
+for a quantized one (what the engine runs). Prints, per context, the median of attention time
+/ read time (1.0 = as fast as reading the bytes) and the attention's ms per step, so the VM's
+drifting bandwidth cancels.
 
     python benchmarks/decode_attention_share.py --seconds 60 [--quant-policy 8] [--batch 16]
 """

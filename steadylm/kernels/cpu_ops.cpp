@@ -178,6 +178,17 @@ constexpr int64_t kChunk = 32;   // positions per chunk (at most one block's): 3
 constexpr int kDotKeys = 8;      // keys scored together
 constexpr int kMaxRegVecs = 8;   // output vectors kept in registers per pass
 
+#if defined(CPU_CAPABILITY_AVX2)
+// out[i] = the sum of a[i]'s 8 lanes, for 8 vectors: a transposing hadd tree.
+inline void lane_sums8(const __m256* a, float* out) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // b0 = [k0 k1 k2 k3 | k0 k1 k2 k3] halves (low lanes, high lanes), b1 likewise for k4-7
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                                      _mm256_permute2f128_ps(b0, b1, 0x31)));
+}
+#endif
+
 // out[i] = q . k_i for NK keys k_i = k + i * stride, each over D in kVec-wide FMAs. Each key's
 // FMAs and lane sum are the same whatever NK is (the quantized kernel below relies on it).
 template <int NK>
@@ -196,14 +207,10 @@ inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
       acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d, D - d), acc[i]);
   }
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (NK == 8) {  // the 8 lane sums at once: a transposing hadd tree
-    const __m256 a01 = _mm256_hadd_ps(acc[0], acc[1]), a23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
-    // b0 = [k0 k1 k2 k3 | k0 k1 k2 k3] halves (low lanes, high lanes), b1 likewise for k4-7
-    const __m256 lo = _mm256_permute2f128_ps(b0, b1, 0x20);
-    const __m256 hi = _mm256_permute2f128_ps(b0, b1, 0x31);
-    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+  if constexpr (NK == 8) {  // the 8 lane sums at once
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = acc[i];
+    lane_sums8(a, out);
     return;
   }
   // Fewer keys: the same tree lane by lane, so a key's score never depends on its group.
@@ -318,10 +325,7 @@ inline void lane_sums(const float* x, int64_t ld, float* out) {
 #elif defined(CPU_CAPABILITY_AVX2)
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(x + i * ld);
-  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
-                                      _mm256_permute2f128_ps(b0, b1, 0x31)));
+  lane_sums8(a, out);
 #else
   for (int64_t i = 0; i < kVec; ++i) {
     out[i] = 0.f;
@@ -457,12 +461,6 @@ inline bool scores_and_values(int64_t D, F&& f) {
 #undef SL_NV
 }
 
-// src as fp32 into dst (a copy for fp32).
-inline void to_float_n(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-inline void to_float_n(const c10::BFloat16* src, float* dst, int64_t n) { to_float(src, dst, n); }
-
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                            const at::Tensor& tables, const at::Tensor& lens, double scale,
@@ -509,9 +507,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
         const int64_t off = pos % bs;
         const int64_t n = std::min({kChunk, bs - off, hi - pos});
         const int64_t slot = table[pos / bs] * bs + off;
-        const float* k = kInPlace ? reinterpret_cast<const float*>(kp + slot * row) : kbuf.data();
-        const float* v = kInPlace ? reinterpret_cast<const float*>(vp + slot * row) : vbuf.data();
-        if (!kInPlace) to_float_n(kp + slot * row, kbuf.data(), n * row);
+        const float* k = kbuf.data();
+        const float* v = vbuf.data();
+        if constexpr (kInPlace) {
+          k = kp + slot * row;
+          v = vp + slot * row;
+        } else {
+          to_float(kp + slot * row, kbuf.data(), n * row);
+        }
         const bool fast = scores_and_values(D, [&](auto nv) {
           score_rows<decltype(nv)::value>(qf.data(), k, row, n, hkv, G, part.data(), p.data(),
                                           kChunk);
@@ -522,7 +525,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
               dot_keys<1>(qf.data() + h * D, k + t * row + (h / G) * D, row, D,
                           p.data() + h * kChunk + t);
         softmax_chunk(p.data(), n, H, D, mx, sm, acc);
-        if (!kInPlace) to_float_n(vp + slot * row, vbuf.data(), n * row);
+        if constexpr (!kInPlace) to_float(vp + slot * row, vbuf.data(), n * row);
         if (fast) {
           scores_and_values(D, [&](auto nv) {
             value_rows<decltype(nv)::value>(acc, p.data(), kChunk, v, row, n, hkv, G);
