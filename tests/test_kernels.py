@@ -118,20 +118,22 @@ def _paged_case(dtype, bits, heads, kv_heads, rows_per_seq, lens, nb=120, bs=8, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize(
-    "heads,kv_heads,rows,lens,window",
+    "heads,kv_heads,rows,lens,window,d",
     [
-        (12, 4, [1], [157], 0),  # decode, one sequence
-        (8, 2, [1, 1, 1], [1, 600, 83], 0),  # decode batch; 600 keys span three spans
-        (4, 4, [20, 1, 5], [20, 300, 261], 0),  # a fresh prompt, a decode, a chunk past 256
-        (8, 2, [7, 1], [90, 64], 50),  # sliding window
-        (4, 1, [3] * 9, [9, 31, 77, 120, 200, 64, 83, 157, 3], 0),  # MQA, many tiles
+        (12, 4, [1], [157], 0, 32),  # decode, one sequence
+        (8, 2, [1, 1, 1], [1, 600, 83], 0, 32),  # decode batch; 600 keys span three spans
+        (4, 4, [20, 1, 5], [20, 300, 261], 0, 32),  # a fresh prompt, a decode, a chunk past 256
+        (8, 2, [7, 1], [90, 64], 50, 32),  # sliding window
+        (4, 1, [3] * 9, [9, 31, 77, 120, 200, 64, 83, 157, 3], 0, 32),  # MQA, many tiles
+        (16, 2, [5, 1], [300, 70], 0, 64),  # 8 query heads per KV head: several head passes
+        (4, 2, [6, 1], [100, 40], 0, 36),  # a head size the vector passes do not take
     ],
 )
-def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, lens, window):
+def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, lens, window, d):
     """Scattered block tables, lengths that end mid-block, prefill rows and decode rows,
     contexts over several spans, GQA / MHA / MQA, sliding windows, int8 / int4 caches."""
     torch.manual_seed(0)
-    q, kv, sz, tables, seq, ctx = _paged_case(dtype, bits, heads, kv_heads, rows, lens)
+    q, kv, sz, tables, seq, ctx = _paged_case(dtype, bits, heads, kv_heads, rows, lens, d=d)
     args = (*kv, *sz, tables, seq, ctx, 0.17, window, bits)
     want = kernels.paged_attention_ref(q, *args)
     got = ops.paged_attention(q, *args)
@@ -144,12 +146,15 @@ def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, l
 
 @needs_native
 @pytest.mark.parametrize("bits", [0, 4])
-def test_paged_attention_row_is_independent_of_its_batch(bits):
+@pytest.mark.parametrize("d", [32, 36])  # the vector passes, the key-by-key path
+def test_paged_attention_row_is_independent_of_its_batch(bits, d):
     """A row computed alone, in a decode batch, inside a prefill chunk, or with more threads
     gives the same bits: what keeps quantized KV (and so the output) independent of
     scheduling."""
     torch.manual_seed(0)
-    q, kv, sz, tables, seq, ctx = _paged_case(torch.float32, bits, 8, 2, [40, 1, 30], [300, 7, 600])
+    q, kv, sz, tables, seq, ctx = _paged_case(
+        torch.float32, bits, 8, 2, [40, 1, 30], [300, 7, 600], d=d
+    )
     args = (*kv, *sz)
     tail = (0.17, 0, bits)
     batch = ops.paged_attention(q, *args, tables, seq, ctx, *tail)

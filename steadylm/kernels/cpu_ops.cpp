@@ -175,7 +175,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // keys' lane sums taken together).
 constexpr int64_t kChunk = 32;   // positions per chunk (at most one block's): 32 KB of K rows
                                  // of the bench model, fp32, in L1 while G heads pass over it
-constexpr int kDotKeys = 8;      // keys scored together
 constexpr int kMaxRegVecs = 8;   // output vectors kept in registers per pass
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -189,41 +188,14 @@ inline void lane_sums8(const __m256* a, float* out) {
 }
 #endif
 
-// out[i] = q . k_i for NK keys k_i = k + i * stride, each over D in kVec-wide FMAs. Each key's
-// FMAs and lane sum are the same whatever NK is (the quantized kernel below relies on it).
-template <int NK>
-inline void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
-  Vec acc[NK];
-  for (int i = 0; i < NK; ++i) acc[i] = Vec(0.f);
+// q . k over D in kVec-wide FMAs (the lanes of a partial vector past D load as zeros), then
+// the lanes' sum: the key-by-key path for head sizes the register passes below do not take.
+inline float dot(const float* q, const float* k, int64_t D) {
+  Vec acc(0.f);
   int64_t d = 0;
-  for (; d + kVec <= D; d += kVec) {
-    const Vec qv = Vec::loadu(q + d);
-    for (int i = 0; i < NK; ++i)
-      acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d), acc[i]);
-  }
-  if (d < D) {  // a partial vector: the lanes past D load as zeros
-    const Vec qv = Vec::loadu(q + d, D - d);
-    for (int i = 0; i < NK; ++i)
-      acc[i] = at::vec::fmadd(qv, Vec::loadu(k + i * stride + d, D - d), acc[i]);
-  }
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (NK == 8) {  // the 8 lane sums at once
-    __m256 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = acc[i];
-    lane_sums8(a, out);
-    return;
-  }
-  // Fewer keys: the same tree lane by lane, so a key's score never depends on its group.
-  for (int i = 0; i < NK; ++i) {
-    float l[8];
-    acc[i].store(l);
-    out[i] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-  }
-#else
-  for (int i = 0; i < NK; ++i)
-    out[i] = at::vec::vec_reduce_all<float>(
-        [](const Vec& x, const Vec& y) { return x + y; }, acc[i]);
-#endif
+  for (; d + kVec <= D; d += kVec) acc = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), acc);
+  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), Vec::loadu(k + d, D - d), acc);
+  return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, acc);
 }
 
 // acc[0, NV * kVec) += sum over t < n of p[t] * v[t * stride + .], acc held in registers.
@@ -293,13 +265,23 @@ inline float exp_sum(float* x, int64_t n, float m) {
   return r;
 }
 
+// A prefetch into L2 that the compiler keeps: GCC 12 deletes some __builtin_prefetch calls
+// (a loop of them under a condition, or inside the quantized kernel's dequantisation loop).
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // dst[i] = src[i] for i < n; meanwhile next[0, ahead) is prefetched into L2 alongside.
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n,
                      const c10::BFloat16* next = nullptr, int64_t ahead = 0) {
   using BVec = at::vec::Vectorized<c10::BFloat16>;
   int64_t i = 0;
   for (; i + BVec::size() <= n; i += BVec::size()) {
-    if (i < ahead) __builtin_prefetch(next + i, 0, 2);
+    if (i < ahead) prefetch_l2(next + i);
     auto [lo, hi] = at::vec::convert_bfloat16_float(BVec::loadu(src + i));
     lo.store(dst + i);
     hi.store(dst + i + kVec);
@@ -354,12 +336,13 @@ constexpr int kAccRegs = 6;
 // rows laid out as k / v; the chunk itself after the last): the next chunk is usually in
 // another block, where the hardware prefetcher would start cold. (decode_attention_share.py,
 // 16k context, 2 threads on a Zen 4 VM: 21-23 ms -> 16-16.5 ms a step; into L1 (T0) it
-// measured no better than none.) Rows past `ahead` repeat its last one, with no branch: GCC 12
-// deletes a loop of prefetches under a condition.
+// measured no better than none.) Rows past `ahead` repeat its last one (the next chunk can be
+// shorter than this one and end its block).
 template <int NV>
 inline void prefetch_row_part(const float* next, int64_t t, int64_t ahead, int64_t row) {
+  if (!next) return;
   const float* r = next + std::min(t, ahead - 1) * row;
-  for (int i = 0; i < NV * kVec; i += 64 / int(sizeof(float))) __builtin_prefetch(r + i, 0, 2);
+  for (int i = 0; i < NV * kVec; i += 64 / int(sizeof(float))) prefetch_l2(r + i);
 }
 
 // part[(t - t0) * H + h0 + j] = the lane products of q_(h0 + j) and row t, for t in [t0, t1).
@@ -555,8 +538,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
         if (!fast)  // a head_dim the vector paths do not take: key by key, head by head
           for (int64_t t = 0; t < n; ++t)
             for (int64_t h = 0; h < H; ++h)
-              dot_keys<1>(qf.data() + h * D, k + t * row + (h / G) * D, row, D,
-                          p.data() + h * kChunk + t);
+              p[h * kChunk + t] = dot(qf.data() + h * D, k + t * row + (h / G) * D, D);
         softmax_chunk(p.data(), n, H, D, mx, sm, acc);
         if constexpr (!kInPlace)
           to_float(vp + slot * row, vbuf.data(), n * row, vp + next_slot * row, ahead * row);
@@ -639,11 +621,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 //
 // Work items are (tile of up to kQTile consecutive rows of one sequence, KV head, span): the
 // span's K and V rows are dequantized to fp32 once and reused by the tile's rows and the G
-// query heads that share the KV head. The engine runs it for quant_policy 8 / 4 (decode and
-// prefill); unquantized caches keep the decode kernel above and SDPA for prefill, 2-5x faster
-// on long prefills than this per-row formulation (attention measured alone, 1 thread).
+// query heads that share the KV head; each row's G heads then take the decode kernel's
+// register passes over them (score_rows / value_rows with one KV head). The cache rows are
+// prefetched kRowsAhead positions ahead of their dequantisation: a KV head's part of a row
+// is one cache line of int8 codes, in blocks scattered over memory. (decode_attention_share.py
+// --quant-policy 8, 16k context, 2 threads, Zen 4 VM: 15.7-16.1 -> 11.1-11.5 ms a step of 12
+// layers with an fp32 model, 24-25 -> 19 ms with a bf16 one; a 512-row prefill chunk at 4k
+// 1.2-1.3x faster.) The engine runs it for quant_policy 8 / 4 (decode and prefill);
+// unquantized caches keep the decode kernel above and SDPA for prefill, 2-5x faster on long
+// prefills than this per-row formulation (attention measured alone, 1 thread).
 constexpr int64_t kSpan = 256;
 constexpr int64_t kQTile = 16;
+constexpr int64_t kRowsAhead = 16;  // rows prefetched ahead of their dequantisation
 
 // acc[d] += w * v[d], fused, for every d (a D tail takes the same op on a partial load).
 inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
@@ -660,10 +649,15 @@ struct KVReader {
   const T* plain;        // bits 0
   const T* params;       // (.., 2) scale, zero
   int64_t bits, hkv, d, block_size;
-  // fp32 rows of an unquantized fp32 cache are read where they lie (no copy).
-  bool in_place() const { return bits == 0 && std::is_same<T, float>::value; }
-  const float* at(int64_t slot, int64_t h) const {
-    return reinterpret_cast<const float*>(plain) + (slot * hkv + h) * d;
+  // Prefetch (into L2) what row(slot, h) reads: its codes' first line and its scale/zero.
+  void prefetch(int64_t slot, int64_t h) const {
+    const int64_t idx = slot * hkv + h;
+    if (bits == 0) {
+      prefetch_l2(plain + idx * d);
+      return;
+    }
+    prefetch_l2(codes + idx * (bits == 8 ? d : d / 2));
+    prefetch_l2(params + idx * 2);
   }
   // One cached token's row for KV head h as fp32: out (D,).
   void row(int64_t slot, int64_t h, float* out) const {
@@ -724,8 +718,8 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
     psum.assign(P, 0.f);
     pacc.assign(P * D, 0.f);
     at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> kbuf, vbuf, qf(kQTile * G * D), p(kQTile * G * kSpan);
-      if (!kr.in_place()) kbuf.resize(kSpan * D), vbuf.resize(kSpan * D);
+      std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(kQTile * G * D);
+      std::vector<float> p(kQTile * G * kSpan), part(G * kVec * kVec), acc(G * D);
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t span = item % max_span, hk = (item / max_span) % hkv;
         const int64_t tile = tile0 + item / max_span / hkv;
@@ -733,7 +727,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         const int64_t s_lo = span * kSpan;
         int64_t ra[kQTile], rb[kQTile];  // each row's keys in this span: [ra, rb)
         int64_t lo = s_lo + kSpan, hi = s_lo;  // their union
+        int64_t seq_end = 0;                    // the tile's last cached position + 1
         for (int64_t t = t0; t < t1; ++t) {
+          seq_end = std::max(seq_end, lp[t]);
           ra[t - t0] = std::max(s_lo, first_of(t));
           rb[t - t0] = std::min(s_lo + kSpan, lp[t]);
           lo = std::min(lo, ra[t - t0]);
@@ -742,64 +738,52 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         if (lo >= hi) continue;
         const int64_t* table = tp + sp[t0] * max_blocks;
         auto slot_of = [&](int64_t pos) { return table[pos / bs] * bs + pos % bs; };
-        if (!kr.in_place())
-          for (int64_t pos = lo; pos < hi; ++pos) {
-            kr.row(slot_of(pos), hk, kbuf.data() + (pos - lo) * D);
-            vr.row(slot_of(pos), hk, vbuf.data() + (pos - lo) * D);
-          }
-        auto krow = [&](int64_t pos) {
-          return kr.in_place() ? kr.at(slot_of(pos), hk) : kbuf.data() + (pos - lo) * D;
-        };
-        auto vrow = [&](int64_t pos) {
-          return vr.in_place() ? vr.at(slot_of(pos), hk) : vbuf.data() + (pos - lo) * D;
-        };
+        for (int64_t pos = lo; pos < hi; ++pos) {
+          const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
+          kr.prefetch(ahead, hk);
+          vr.prefetch(ahead, hk);
+          kr.row(slot_of(pos), hk, kbuf.data() + (pos - lo) * D);
+          vr.row(slot_of(pos), hk, vbuf.data() + (pos - lo) * D);
+        }
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d)
               qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
-        // Rows of K (and V) are `stride` apart: a whole block's run in place, the span in
-        // the dequantized buffers. Scores go by runs of up to kDotKeys keys (aligned to
-        // absolute positions, inside one block), each run read once for the tile's rows and
-        // G heads; dot_keys gives a key the same bits whether it is scored in a run or alone.
-        const int64_t stride = kr.in_place() ? hkv * D : D;
-        auto run_end = [&](int64_t pos, int64_t limit) {  // the run of rows from pos
-          return kr.in_place() ? std::min(limit, (pos / bs + 1) * bs) : limit;
-        };
-        for (int64_t pos = lo; pos < hi;) {
-          const int64_t end = run_end(pos, std::min(hi, (pos / kDotKeys + 1) * kDotKeys));
-          const float* k = krow(pos);
-          for (int64_t r = 0; r < t1 - t0; ++r) {
-            const int64_t a = std::max(pos, ra[r]), b = std::min(end, rb[r]);
-            if (a >= b) continue;
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qh = qf.data() + (r * G + g) * D;
-              float* out = p.data() + (r * G + g) * kSpan - s_lo;
-              if (b - a == kDotKeys) {
-                dot_keys<kDotKeys>(qh, k, stride, D, out + a);
-              } else {
-                for (int64_t x = a; x < b; ++x)
-                  dot_keys<1>(qh, k + (x - pos) * stride, stride, D, out + x);
-              }
-            }
-          }
-          pos = end;
-        }
+        // Per row, its G heads take the decode kernel's passes over the span's fp32 rows
+        // (one KV head, rows D apart): a key's score and a value's weight cost the same
+        // arithmetic whatever rows, keys or heads surround them.
         for (int64_t r = 0; r < t1 - t0; ++r) {
           if (ra[r] >= rb[r]) continue;
           const int64_t n = rb[r] - ra[r];
+          const float* qr = qf.data() + r * G * D;
+          const float* k = kbuf.data() + (ra[r] - lo) * D;
+          const float* v = vbuf.data() + (ra[r] - lo) * D;
+          float* pr = p.data() + r * G * kSpan + ra[r] - s_lo;  // head g's at g * kSpan
+          const bool fast = scores_and_values(D, [&](auto nv) {
+            score_rows<decltype(nv)::value>(qr, k, D, n, 1, G, part.data(), pr, kSpan, nullptr,
+                                            0);
+          });
+          if (!fast)
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t x = 0; x < n; ++x)
+                pr[g * kSpan + x] = dot(qr + g * D, k + x * D, D);
           for (int64_t g = 0; g < G; ++g) {
-            float* pr = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
-            const float m = max_of(pr, n);
             const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
-            pmax[i] = m;
-            psum[i] = exp_sum(pr, n, m);
-            // Values in position order, each run accumulated in registers.
-            for (int64_t x = ra[r]; x < rb[r];) {
-              const int64_t end = run_end(x, rb[r]);
-              weighted_values_head(pacc.data() + i * D, pr + x - ra[r], vrow(x), stride, end - x,
-                                   D);
-              x = end;
-            }
+            pmax[i] = max_of(pr + g * kSpan, n);
+            psum[i] = exp_sum(pr + g * kSpan, n, pmax[i]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          if (fast) {
+            scores_and_values(D, [&](auto nv) {
+              value_rows<decltype(nv)::value>(acc.data(), pr, kSpan, v, D, n, 1, G, nullptr, 0);
+            });
+          } else {
+            for (int64_t g = 0; g < G; ++g)
+              weighted_values_head(acc.data() + g * D, pr + g * kSpan, v, D, n, D);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
+            std::memcpy(pacc.data() + i * D, acc.data() + g * D, D * sizeof(float));
           }
         }
       }
