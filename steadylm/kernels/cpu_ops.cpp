@@ -333,11 +333,11 @@ constexpr int kAccRegs = 6;
 #endif
 
 // Each pass also prefetches into L2 its part of the next chunk's rows (`next`, `ahead` >= 1
-// rows laid out as k / v; the chunk itself after the last): the next chunk is usually in
-// another block, where the hardware prefetcher would start cold. (decode_attention_share.py,
-// 16k context, 2 threads on a Zen 4 VM: 21-23 ms -> 16-16.5 ms a step; into L1 (T0) it
-// measured no better than none.) Rows past `ahead` repeat its last one (the next chunk can be
-// shorter than this one and end its block).
+// rows laid out as k / v; the chunk itself after the last; nullptr: none): the next chunk is
+// usually in another block, where the hardware prefetcher would start cold. (12 layers of the
+// bench model's cache, 16k context, 2 threads on a Zen 4 VM: 20-22 -> 14.5-15.9 ms a step;
+// into L1 (T0) it measured no better than none.) Rows past `ahead` repeat its last one (the
+// next chunk can be shorter than this one and end its block).
 template <int NV>
 inline void prefetch_row_part(const float* next, int64_t t, int64_t ahead, int64_t row) {
   if (!next) return;
@@ -407,7 +407,7 @@ inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, 
     for (int64_t hk = 0; hk < hkv; ++hk)
       head_passes<NV>(hk, G, [&](auto gb, int64_t h0) {
         score_pass<NV, decltype(gb)::value>(qf, k + hk * NV * kVec, row, t0, t1, H, h0, part,
-                                            next + hk * NV * kVec, ahead);
+                                            next ? next + hk * NV * kVec : nullptr, ahead);
       });
     for (int64_t h = 0; h < H; ++h) {
       float sums[kVec];
@@ -424,7 +424,7 @@ inline void value_rows(float* acc, const float* p, int64_t ldp, const float* v, 
   for (int64_t hk = 0; hk < hkv; ++hk)
     head_passes<NV>(hk, G, [&](auto gb, int64_t h0) {
       value_pass<NV, decltype(gb)::value>(acc, p, ldp, v + hk * NV * kVec, row, n, h0,
-                                          next + hk * NV * kVec, ahead);
+                                          next ? next + hk * NV * kVec : nullptr, ahead);
     });
 }
 
