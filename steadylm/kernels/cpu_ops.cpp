@@ -902,7 +902,10 @@ void packed_gemv(const float* x, const float* w, const float* bias, float* y, in
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), kPrefetchHint);
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), kPrefetchHint);
         __m512 wv[4];
-        for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_ps(wr + 16 * v);
+        for (int v = 0; v < 4; ++v) {
+          wv[v] = _mm512_loadu_ps(wr + 16 * v);
+          asm("" : "+v"(wv[v]));  // kept in a register: GCC 12 folds a load into each row's FMA
+        }
         for (int m = 0; m < M; ++m) {
           __m512 xv = _mm512_set1_ps(x[m * k + i]);
           for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
