@@ -508,7 +508,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       // (fp32) or converted to fp32 buffers (bf16).
       // While a chunk is read, the next one's `ahead` rows (after the last chunk, the chunk
       // itself) are prefetched: by the passes reading fp32 rows in place, by the conversion
-      // of bf16 rows (whose passes then "prefetch" their own buffers).
+      // of bf16 rows (whose passes then "prefetch" their own buffers: passing them no pointer
+      // measured 8-12% slower at 16k, 14.6-15.4 against 13.4-13.6 ms).
       const auto chunk_at = [&](int64_t at_pos) {  // (first slot, rows) of the chunk at at_pos
         const int64_t off = at_pos % bs;
         return std::pair<int64_t, int64_t>{table[at_pos / bs] * bs + off,
@@ -716,7 +717,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
     const int64_t P = rows * H * max_span;
     pmax.assign(P, -std::numeric_limits<float>::infinity());
     psum.assign(P, 0.f);
-    pacc.assign(P * D, 0.f);
+    pacc.resize(P * D);  // each entry whose psum is set is written whole; the rest are not read
     at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(kQTile * G * D);
       std::vector<float> p(kQTile * G * kSpan), part(G * kVec * kVec), acc(G * D);
@@ -742,8 +743,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
           kr.prefetch(ahead, hk);
           vr.prefetch(ahead, hk);
-          kr.row(slot_of(pos), hk, kbuf.data() + (pos - lo) * D);
-          vr.row(slot_of(pos), hk, vbuf.data() + (pos - lo) * D);
+          const int64_t slot = slot_of(pos);
+          kr.row(slot, hk, kbuf.data() + (pos - lo) * D);
+          vr.row(slot, hk, vbuf.data() + (pos - lo) * D);
         }
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t g = 0; g < G; ++g)
@@ -759,6 +761,8 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           const float* k = kbuf.data() + (ra[r] - lo) * D;
           const float* v = vbuf.data() + (ra[r] - lo) * D;
           float* pr = p.data() + r * G * kSpan + ra[r] - s_lo;  // head g's at g * kSpan
+          // head g's partials at at0 + g * max_span
+          const int64_t at0 = ((t0 + r - r0) * H + hk * G) * max_span + span;
           const bool fast = scores_and_values(D, [&](auto nv) {
             score_rows<decltype(nv)::value>(qr, k, D, n, 1, G, part.data(), pr, kSpan, nullptr,
                                             0);
@@ -768,7 +772,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
               for (int64_t x = 0; x < n; ++x)
                 pr[g * kSpan + x] = dot(qr + g * D, k + x * D, D);
           for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
+            const int64_t i = at0 + g * max_span;
             pmax[i] = max_of(pr + g * kSpan, n);
             psum[i] = exp_sum(pr + g * kSpan, n, pmax[i]);
           }
@@ -781,10 +785,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
             for (int64_t g = 0; g < G; ++g)
               weighted_values_head(acc.data() + g * D, pr + g * kSpan, v, D, n, D);
           }
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = ((t0 + r - r0) * H + hk * G + g) * max_span + span;
-            std::memcpy(pacc.data() + i * D, acc.data() + g * D, D * sizeof(float));
-          }
+          for (int64_t g = 0; g < G; ++g)
+            std::memcpy(pacc.data() + (at0 + g * max_span) * D, acc.data() + g * D,
+                        D * sizeof(float));
         }
       }
     });
