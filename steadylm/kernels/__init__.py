@@ -246,7 +246,14 @@ def native_paged_attention(dtype: torch.dtype, device: torch.device):
 
 
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------
-PACKED_LINEAR_MAX_ROWS = 4  # decode at batch 1-4; larger batches stay on oneDNN's matmul
+def packed_linear_max_rows() -> int:
+    """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
+    least as fast (16 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
+    the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there."""
+    if "max_rows" not in _state:
+        ops = native_ops()
+        _state["max_rows"] = 0 if ops is None else int(ops.packed_linear_max_rows())
+    return _state["max_rows"]
 
 
 def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
@@ -293,6 +300,6 @@ def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | N
 
 
 def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """y (M, N) = x (M, K) @ W^T (+ bias) for 1 <= M <= PACKED_LINEAR_MAX_ROWS, W at an
-    address `packed_linear_address` returned."""
+    """y (M, N) = x (M, K) @ W^T (+ bias) for M >= 1 (the caller keeps it to
+    `packed_linear_max_rows()`), W at an address `packed_linear_address` returned."""
     return native_ops().packed_linear(x, address, n, bias)

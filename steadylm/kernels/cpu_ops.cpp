@@ -873,16 +873,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // ---- small-batch linear over oneDNN's packed weight -------------------------------------
 // A decode step at batch 1-4 is a chain of GEMVs bound by how fast the weights stream from
 // memory; oneDNN's matmul read them at 0.43-0.81 of a plain torch.sum's rate on the VMs here,
-// this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). It reads the weight
-// oneDNN reordered at load time, in place, so the
-// model keeps one copy: the caller (layers/linear.py) checks the layout exactly once per
-// layer and passes the buffer's address. Layouts read here, with N a multiple of 64:
+// this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). Up to 16 rows
+// (batched decode) it also matched or beat oneDNN's matmul on AVX-512 (fp32 1.02-1.14x, bf16
+// 1.00-1.19x over a decode step's 49 linears; above 24 rows oneDNN's blocking wins, so the
+// caller keeps oneDNN there: packed_linear_max_rows). It reads the weight oneDNN reordered at
+// load time, in place, so the model keeps one copy: the caller (layers/linear.py) checks the
+// layout exactly once per layer and passes the buffer's address. Layouts read here, with N a
+// multiple of 64:
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
 //   bf16: (N / 64, K / 2, 64, 2)   w[n, k] at (((n / 64) * K + k - k % 2) * 64 + n % 64 * 2 + k % 2)
 // One 64-row block per task: its K * 64 weights are one sequential stream, and every x value
 // is broadcast against 64 outputs (4 AVX-512 accumulators per batch row; AVX2 below). oneDNN
 // packs fp32 weights in the same (N / 64, K, 64) blocks on AVX2 as on AVX-512 (checked per
 // layer all the same).
+//
+// A tile is noinline on purpose: inlined into packed_gemm's loop, GCC 12 kept the 2-5 row
+// tiles' accumulators on the stack (a load and a store around every FMA): the bf16 step at 4
+// rows ran at 0.83x of oneDNN that way, 1.16-1.24x now.
 #if defined(__AVX512F__)
 constexpr int64_t kPackBlock = 64;
 // Software prefetch 16 KiB ahead into L2 (T1). Into L1 (T0) at 8 KiB it cost a third of the
@@ -891,77 +898,77 @@ constexpr int64_t kPackBlock = 64;
 constexpr int64_t kPrefetch = 4096;  // floats ahead
 constexpr auto kPrefetchHint = _MM_HINT_T1;
 
-template <int M>
-void packed_gemv(const float* x, const float* w, const float* bias, float* y, int64_t n,
-                 int64_t k) {
-  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* wb = w + b * k * kPackBlock;
-      __m512 acc[M][4];
-      for (int m = 0; m < M; ++m)
-        for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < k; ++i) {
-        const float* wr = wb + i * kPackBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), kPrefetchHint);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), kPrefetchHint);
-        __m512 wv[4];
-        for (int v = 0; v < 4; ++v) {
-          wv[v] = _mm512_loadu_ps(wr + 16 * v);
-          asm("" : "+v"(wv[v]));  // kept in a register: GCC 12 folds a load into each row's FMA
-        }
-        for (int m = 0; m < M; ++m) {
-          __m512 xv = _mm512_set1_ps(x[m * k + i]);
-          for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
-        }
-      }
-      for (int m = 0; m < M; ++m)
-        for (int v = 0; v < 4; ++v) {
-          int64_t col = b * kPackBlock + 16 * v;
-          __m512 r = acc[m][v];
-          if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + col));
-          _mm512_storeu_ps(y + m * n + col, r);
-        }
+// One pass over a 64-column block for M <= kRowTile rows: M * 4 accumulators, the block's four
+// weight vectors of a K step loaded once into registers and broadcast-multiplied by each row.
+// Only the first row tile of a block prefetches (Fetch): later tiles find the block in L2.
+template <int M, bool Fetch>
+__attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const float* bias,
+                                         float* y, int64_t n, int64_t k, int64_t col) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wr = wb + i * kPackBlock;
+    if (Fetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), kPrefetchHint);
     }
-  });
+    __m512 wv[4];
+    for (int v = 0; v < 4; ++v) {
+      wv[v] = _mm512_loadu_ps(wr + 16 * v);
+      asm("" : "+v"(wv[v]));  // kept in a register: GCC 12 folds a load into each row's FMA
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 xv = _mm512_set1_ps(x[m * k + i]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) {
+      __m512 r = acc[m][v];
+      if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + col + 16 * v));
+      _mm512_storeu_ps(y + m * n + col + 16 * v, r);
+    }
 }
 
 #if defined(__AVX512BF16__)
 constexpr bool kPackedBf16 = true;
 // bf16 pairs (k, k+1) per output: vdpbf16ps multiplies them exactly and accumulates in fp32,
 // as oneDNN's own bf16 matmul does on this ISA; bias in fp32, one rounding to bf16 at the end.
-template <int M>
-void packed_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
-                 c10::BFloat16* y, int64_t n, int64_t k) {
-  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const c10::BFloat16* wb = w + b * k * kPackBlock;
-      __m512 acc[M][4];
-      for (int m = 0; m < M; ++m)
-        for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < k; i += 2) {
-        const c10::BFloat16* wr = wb + i * kPackBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), kPrefetchHint);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), kPrefetchHint);
-        __m512i wv[4];
-        for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(wr + 32 * v);
-        for (int m = 0; m < M; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, x + m * k + i, sizeof(pair));
-          __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-          for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)wv[v], xv);
-        }
-      }
-      float buf[kPackBlock];
-      for (int m = 0; m < M; ++m) {
-        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(buf + 16 * v, acc[m][v]);
-        for (int64_t j = 0; j < kPackBlock; ++j) {
-          float r = buf[j];
-          if (bias) r += static_cast<float>(bias[b * kPackBlock + j]);
-          y[m * n + b * kPackBlock + j] = static_cast<c10::BFloat16>(r);
-        }
-      }
+template <int M, bool Fetch>
+__attribute__((noinline)) void gemv_tile(const c10::BFloat16* x, const c10::BFloat16* wb,
+                                         const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
+                                         int64_t k, int64_t col) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 2) {
+    const c10::BFloat16* wr = wb + i * kPackBlock;
+    if (Fetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), kPrefetchHint);
     }
-  });
+    __m512 wv[4];
+    for (int v = 0; v < 4; ++v) {
+      wv[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(wr + 32 * v));
+      asm("" : "+v"(wv[v]));  // as in the fp32 tile: one load per weight vector, not per row
+    }
+    for (int m = 0; m < M; ++m) {
+      float pair;  // the bf16 pair (k, k + 1) of row m, broadcast as one 32-bit lane
+      std::memcpy(&pair, x + m * k + i, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_ps(pair);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)wv[v], xv);
+    }
+  }
+  float buf[kPackBlock];
+  for (int m = 0; m < M; ++m) {
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(buf + 16 * v, acc[m][v]);
+    for (int64_t j = 0; j < kPackBlock; ++j) {
+      float r = buf[j];
+      if (bias) r += static_cast<float>(bias[col + j]);
+      y[m * n + col + j] = static_cast<c10::BFloat16>(r);
+    }
+  }
 }
 #else
 constexpr bool kPackedBf16 = false;
@@ -975,70 +982,109 @@ constexpr int64_t kPackBlock = 64;
 constexpr int64_t kPrefetch = 2048;
 constexpr bool kPackedBf16 = false;
 
-template <int M>
-void packed_gemv(const float* x, const float* w, const float* bias, float* y, int64_t n,
-                 int64_t k) {
+template <int M, bool Fetch>
+__attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const float* bias,
+                                         float* y, int64_t n, int64_t k, int64_t col) {
   constexpr int V = M == 1 ? 8 : (M <= 3 ? 4 : 2);
-  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* wb = w + b * k * kPackBlock;
-      for (int64_t c0 = 0; c0 < kPackBlock; c0 += 8 * V) {
-        __m256 acc[M][V];
-        for (int m = 0; m < M; ++m)
-          for (int v = 0; v < V; ++v) acc[m][v] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; ++i) {
-          const float* wr = wb + i * kPackBlock + c0;
-          if (c0 == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), _MM_HINT_T0);
-          }
-          for (int m = 0; m < M; ++m) {
-            const __m256 xv = _mm256_broadcast_ss(x + m * k + i);
-            for (int v = 0; v < V; ++v)
-              acc[m][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr + 8 * v), acc[m][v]);
-          }
-        }
-        for (int m = 0; m < M; ++m)
-          for (int v = 0; v < V; ++v) {
-            const int64_t col = b * kPackBlock + c0 + 8 * v;
-            __m256 r = acc[m][v];
-            if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + col));
-            _mm256_storeu_ps(y + m * n + col, r);
-          }
+  for (int64_t c0 = 0; c0 < kPackBlock; c0 += 8 * V) {
+    __m256 acc[M][V];
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      const float* wr = wb + i * kPackBlock + c0;
+      if (Fetch && c0 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), _MM_HINT_T0);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * k + i);
+        for (int v = 0; v < V; ++v)
+          acc[m][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr + 8 * v), acc[m][v]);
       }
     }
-  });
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) {
+        const int64_t c = col + c0 + 8 * v;
+        __m256 r = acc[m][v];
+        if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + c));
+        _mm256_storeu_ps(y + m * n + c, r);
+      }
+  }
 }
 #endif  // __AVX512F__ / __AVX2__
 
-constexpr int64_t kPackedMaxRows = 4;
+#if defined(__AVX512F__)
+constexpr int kRowTile = 6;  // 24 accumulators + 4 weight vectors of AVX-512's 32 registers
+#else
+constexpr int kRowTile = 4;
+#endif
 
-// Calls f(std::integral_constant<int, m>) for m in 1..kPackedMaxRows (the kernels' batch
-// size is a template parameter: their accumulators live in registers).
+// Calls f(std::integral_constant<int, m>) for m in 1..kRowTile (a tile's row count is a
+// template parameter: its accumulators live in registers).
 template <typename F>
 void by_rows(int64_t m, F&& f) {
   switch (m) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default:
+      if constexpr (kRowTile >= 6) {
+        if (m == 5) f(std::integral_constant<int, 5>{});
+        else f(std::integral_constant<int, 6>{});
+      }
   }
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// y = x @ W^T (+ bias) through the packed_gemv overload for T, at x's row count.
+// y (m, n) = x (m, k) @ W^T (+ bias). One 64-column block per task: its K * 64 weights are
+// one sequential stream from memory for the block's first row tile and are read from L2 by
+// the rest (K * 64 * 4 bytes: 512 KiB at K = 2048). The m rows are split into the fewest
+// tiles of at most kRowTile, as even as they go (8 rows: 4 + 4, 16: 6 + 5 + 5). Each output
+// is the same K-ordered chain of FMAs whatever m is, so a row's result does not depend on
+// the rows batched with it.
+template <typename T>
+void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t tiles = (m + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const T* wb = w + b * k * kPackBlock;
+      const int64_t col = b * kPackBlock;
+      int64_t r0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
+        by_rows(rows, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if (t == 0) gemv_tile<R, true>(x + r0 * k, wb, bias, y + r0 * n, n, k, col);
+          else gemv_tile<R, false>(x + r0 * k, wb, bias, y + r0 * n, n, k, col);
+        });
+        r0 += rows;
+      }
+    }
+  });
+}
+
+// y = x @ W^T (+ bias) through the gemv_tile overloads for T.
 template <typename T>
 at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bias, at::Tensor y,
                       int64_t n) {
-  const T* xp = x.data_ptr<T>();
-  const T* wp = reinterpret_cast<const T*>(weight);
-  const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
-  const int64_t k = x.size(1);
-  by_rows(x.size(0), [&](auto rows) { packed_gemv<decltype(rows)::value>(xp, wp, bp, yp, n, k); });
+  packed_gemm<T>(x.data_ptr<T>(), reinterpret_cast<const T*>(weight),
+                 bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), x.size(0), n, x.size(1));
   return y;
 }
 #endif
+
+// The most rows packed_linear should be given: where it measured at least as fast as oneDNN's
+// matmul (AVX-512: 16 rows; AVX2, whose tiles are 4 rows of 16 registers: 4), 0 without.
+int64_t packed_linear_max_rows() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(__AVX2__)
+  return 4;
+#else
+  return 0;
+#endif
+}
 
 // The layouts this build reads: "" when none (neither AVX-512 nor AVX2), else e.g. "f32,bf16".
 std::string packed_linear_layouts() {
@@ -1055,8 +1101,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "packed_linear: x must be a contiguous 2-D CPU tensor");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m >= 1 && m <= kPackedMaxRows, "packed_linear: 1 to ", kPackedMaxRows,
-              " rows, got ", m);
+  TORCH_CHECK(m >= 1, "packed_linear: x has no rows");
   TORCH_CHECK(n > 0 && n % 64 == 0 && k % 16 == 0, "packed_linear: N % 64 and K % 16 must be 0");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
@@ -1092,4 +1137,5 @@ TORCH_LIBRARY(steadylm_cpu, m) {
       &paged_attention);
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
+  m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
 }

@@ -6,10 +6,11 @@ checkpoint has several; their loader copies each checkpoint shard into its row r
 After loading, a dense layer on the CPU hands its weight to a `LinearKernel`: oneDNN's matmul on
 a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
-faster for bf16 too. At batch 1-4 (decode) the same packed buffer is read in place by
-`kernels.packed_linear`, a GEMV that streamed the weights at 0.86-0.93 of a plain memory
-read's rate where oneDNN's matmul reached 0.75-0.81 on AVX-512, and 0.78 against 0.65 on an
-AVX2-only CPU (fp32; docs/benchmarks.md); one copy stays.
+faster for bf16 too. Up to 16 rows (decode batches, short prefills; 4 on AVX2-only CPUs) the
+same packed buffer is read in place by `kernels.packed_linear`, a GEMV that streamed the
+weights at 0.86-0.93 of a plain memory read's rate where oneDNN's matmul reached 0.75-0.81 on
+AVX-512, and 0.78 against 0.65 on an AVX2-only CPU (fp32), and at 5-16 rows matched or beat
+oneDNN's matmul (docs/benchmarks.md); one copy stays.
 `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
@@ -60,6 +61,7 @@ class OneDNNDenseKernel(LinearKernel):
         self.out_features, self.in_features = weight.shape
         # Where the small-batch GEMV can read self.weight in place (None: oneDNN only).
         self.gemv_address = kernels.packed_linear_address(weight, self.weight)
+        self.gemv_max_rows = kernels.packed_linear_max_rows() if self.gemv_address else 0
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -78,7 +80,7 @@ class OneDNNDenseKernel(LinearKernel):
         shape = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         rows = x2.shape[0]
-        if self.gemv_address is not None and 0 < rows <= kernels.PACKED_LINEAR_MAX_ROWS:
+        if 0 < rows <= self.gemv_max_rows:
             y = kernels.packed_linear(x2, self.gemv_address, self.out_features, self.bias)
         else:
             padded = row_bucket(rows)

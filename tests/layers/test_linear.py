@@ -102,7 +102,8 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias):
     b = torch.randn(1280, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
     assert kernel.apply(torch.empty(0, 768, dtype=dtype)).shape == (0, 1280)  # no rows: oneDNN
-    for m in range(1, kernels.PACKED_LINEAR_MAX_ROWS + 2):  # the last row count is oneDNN's
+    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows() >= 4
+    for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
         x = torch.randn(m, 768, dtype=dtype)
         got = kernel.apply(x)
         onednn = torch.ops.mkldnn._linear_pointwise(x, kernel.weight, b, "none", [], "")
@@ -115,6 +116,9 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias):
             ).abs().max() <= 2 * onednn.float().abs().max() / 128
         else:
             torch.testing.assert_close(got, onednn, rtol=1e-4, atol=1e-3)
+        if m <= kernel.gemv_max_rows:  # a row's bits do not depend on the rows beside it
+            alone = torch.cat([kernel.apply(x[i : i + 1]) for i in range(m)])
+            assert torch.equal(got, alone), m
 
 
 @needs_onednn
@@ -125,8 +129,8 @@ def test_packed_gemv_reads_the_layer_s_own_weight():
     w = torch.randn(256, 128)
     kernel = _gemv_kernel(w, None)
     ops = kernels.native_ops()
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):  # a caller's bug, not a crash
-        ops.packed_linear(torch.randn(5, 128), kernel.gemv_address, 256, None)
+    with pytest.raises(RuntimeError, match="no rows"):  # a caller's bug, not a crash
+        ops.packed_linear(torch.randn(0, 128), kernel.gemv_address, 256, None)
     with pytest.raises(RuntimeError, match="N % 64"):
         ops.packed_linear(torch.randn(1, 128), kernel.gemv_address, 200, None)
     other = torch.ops.mkldnn._reorder_linear_weight(torch.randn(256, 128))
@@ -139,8 +143,9 @@ def test_packed_gemv_reads_the_layer_s_own_weight():
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_greedy_matches_transformers_through_the_packed_gemv(arch, monkeypatch, tmp_path):
-    """Shapes the GEMV takes (every N % 64 == 0): decode at batch 1-3 runs it, prefill and
-    batch 5 run oneDNN; greedy tokens equal transformers' in every case."""
+    """Shapes the GEMV takes (every N % 64 == 0): decode batches and prefills of up to
+    `packed_linear_max_rows()` tokens run it, the 5 prompts' prefill (50 tokens) runs oneDNN;
+    greedy tokens equal transformers' in every case."""
     from tests.conftest import make_hf_model
 
     hf = make_hf_model(arch, hidden_size=64, intermediate_size=128, vocab_size=128)
