@@ -64,6 +64,30 @@ def test_silu_and_mul_matches_reference(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(6, 16), (14, 64), (3, 80), (2, 6)])
+def test_rotary_in_place_on_a_qkv_view_is_the_reference_bit_for_bit(dtype, heads, head_dim):
+    """Each product and the sum rounded as torch's ops round them (no fused multiply-add):
+    the same bits as layers.rotary.rotate_ref, written into the q/k heads of the fused qkv
+    output and nowhere else."""
+    from steadylm.layers.rotary import RotaryEmbedding, rotate, rotate_ref
+
+    torch.manual_seed(0)
+    cfg = type("Cfg", (), {"rope_theta": 10000.0})()
+    cos, sin = RotaryEmbedding(cfg, head_dim).cos_sin(torch.tensor([0, 1, 7, 300, 4095]), dtype)
+    qkv = torch.randn(5, heads + 2, head_dim, dtype=dtype) * 3
+    x = qkv[:, :heads]  # strided: the v heads stay where they are
+    v_before = qkv[:, heads:].clone()
+    want = rotate_ref(x.clone(), cos, sin)
+    out = rotate(x, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(qkv[:, :heads], want)
+    assert torch.equal(qkv[:, heads:], v_before)
+    with pytest.raises(RuntimeError, match="laid out alike"):
+        ops.rotary_(x, cos, sin[:, :, :2])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "num_seqs,heads,kv_heads,window,d",
     [

@@ -223,6 +223,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
+def native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The native in-place rotary op `rotary_(x, cos, sin) -> x` if it takes these tensors
+    (CPU, one dtype, unit stride along D; x may be a strided view), else None. Its bits are
+    `layers.rotary.rotate_ref`'s: each product and the sum rounded as torch's ops round them."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (x.dtype == cos.dtype == sin.dtype) or x.dim() != 3 or x.stride(-1) != 1:
+        return None
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.rotary_
+
+
 def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
     """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
     window) -> out` for an unquantized cache of this dtype and device, or None: the caller

@@ -161,6 +161,52 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// ---- Rotary embedding, in place ----------------------------------------------------------
+// x (T, heads, D) with unit stride along D (any row and head stride: a view of the fused qkv
+// output); cos, sin (T, 1, D) alike. x <- x * cos + rotate_half(x) * sin, each product and the
+// sum rounded to the dtype as torch's separate ops round them (rotate_ref in layers/rotary.py),
+// so the bits are the reference's: fp-contract is off for the row function (a lambda would
+// not inherit the attribute), so no product fuses into the add.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotary_row(T* r, const T* c, const T* s,
+                                                             int64_t half) {
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = to_f(r[j]), x2 = to_f(r[j + half]);
+    const float lo = round_to<T>(x1 * to_f(c[j])) + round_to<T>(-x2 * to_f(s[j]));
+    const float hi = round_to<T>(x2 * to_f(c[j + half])) + round_to<T>(x1 * to_f(s[j + half]));
+    r[j] = from_f<T>(lo);
+    r[j + half] = from_f<T>(hi);
+  }
+}
+
+template <typename T>
+void rotary_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t d,
+                 int64_t sx0, int64_t sx1, int64_t sc0) {
+  at::parallel_for(0, rows * heads, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads;
+      rotary_row<T>(x + t * sx0 + (i % heads) * sx1, cos + t * sc0, sin + t * sc0, d / 2);
+    }
+  });
+}
+
+at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_: x must be a CPU (T, heads, D) tensor with unit stride along an even D");
+  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
+                  cos.stride(2) == 1 && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rotary_: cos and sin must be (T, 1, D) of x's dtype, laid out alike");
+  SL_DISPATCH(x.scalar_type(), "rotary_", [&] {
+    rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                          sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0),
+                          x.stride(1), cos.stride(0));
+  });
+  return x;
+}
+
 // ---- Paged decode attention ------------------------------------------------------------
 // One new token per sequence. q (S, H, D); k/v cache (num_blocks, block_size, Hkv, D);
 // block_tables (S, max_blocks) int64; context_lens (S,) int64 (the new token included).
@@ -1126,6 +1172,7 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &rotary_);
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int window) -> Tensor",

@@ -71,11 +71,15 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D) rotated by cos, sin (T, 1, D): on CUDA in place in one Triton kernel
-    (x may be a view of the fused qkv output), elsewhere a new tensor; use the result."""
+    """x (T, heads, D) rotated by cos, sin (T, 1, D): in place in one kernel (Triton on CUDA,
+    the native op on CPU; x may be a view of the fused qkv output), else a new tensor from
+    the reference; use the result."""
     tri = kernels.triton_ops_for(x, cos, sin)
     if tri is not None and x.stride(-1) == 1 and x.dtype == cos.dtype and _rows(cos, sin):
         return tri.rotary_(x, cos, sin)
+    native = kernels.native_rotary(x, cos, sin)
+    if native is not None:
+        return native(x, cos, sin)
     return rotate_ref(x, cos, sin)
 
 
