@@ -64,6 +64,41 @@ def test_silu_and_mul_matches_reference(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("head_dim", [64, 80, 6])
+def test_store_kv_writes_the_reference_codes_bit_for_bit(dtype, bits, head_dim):
+    """The native KV store against index_copy_ of quantize_kv's codes and scale/zero: same
+    bits, padding slots (-1) skipped, every other slot untouched; a bad slot raises before
+    anything is written."""
+    from steadylm.attention.torch_ref import quantize_kv
+
+    torch.manual_seed(0)
+    heads, width = 3, head_dim // 2 if bits == 4 else head_dim
+    qkv = (torch.randn(7, 3 * heads, head_dim) * torch.rand(7, 3 * heads, 1) * 10).to(dtype)
+    qkv[2, heads + 1] = 0.5  # a constant row: the scale clamps to 1e-8
+    x = qkv[:, heads : 2 * heads]  # strided, as the k of the fused qkv output
+    slots = torch.tensor([5, 0, 39, -1, 17, 18, 3])
+    cache = torch.full((5, 8, heads, width), 7, dtype=dtype if bits == 0 else torch.uint8)
+    sz = torch.full((5, 8, heads, 2), 3.0, dtype=dtype) if bits else None
+    want_cache, want_sz = cache.clone(), None if sz is None else sz.clone()
+    ops.store_kv_(cache, sz, x, slots, bits)
+    real = slots >= 0
+    if bits:
+        codes, params = quantize_kv(x[real], bits)
+        want_cache.view(-1, heads, width).index_copy_(0, slots[real], codes)
+        want_sz.view(-1, heads, 2).index_copy_(0, slots[real], params)
+        assert torch.equal(sz, want_sz)
+    else:
+        want_cache.view(-1, heads, width).index_copy_(0, slots[real], x[real])
+    assert torch.equal(cache, want_cache)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.store_kv_(cache, sz, x, torch.tensor([0, 1, 2, 3, 4, 5, 40]), bits)
+    assert torch.equal(cache, before)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "head_dim"), [(6, 16), (14, 64), (3, 80), (2, 6)])
 def test_rotary_in_place_on_a_qkv_view_is_the_reference_bit_for_bit(dtype, heads, head_dim):
     """Each product and the sum rounded as torch's ops round them (no fused multiply-add):

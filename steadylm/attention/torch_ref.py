@@ -87,6 +87,18 @@ class TorchAttentionBackend(AttentionBackend):
         if md.num_padded_tokens:  # padding rows come last and write nowhere
             real = len(slots) - md.num_padded_tokens
             slots, k, v = slots[:real], k[:real], v[:real]
+        bits = cache.quant_policy
+        native = kernels.native_store_kv(k)
+        stored = cache.k_scale_zero if bits else cache.k  # what holds k's dtype
+        if (
+            native is not None
+            and kernels.native_store_kv(v) is not None
+            and stored.dtype == k.dtype
+        ):
+            # One pass per tensor (quantised as quantize_kv does, bit for bit).
+            native(cache.k[layer], cache.k_scale_zero[layer] if bits else None, k, slots, bits)
+            native(cache.v[layer], cache.v_scale_zero[layer] if bits else None, v, slots, bits)
+            return
         if cache.quant_policy == 0:
             cache.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             cache.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)

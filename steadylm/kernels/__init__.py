@@ -237,6 +237,18 @@ def native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return None if ops is None else ops.rotary_
 
 
+def native_store_kv(x: torch.Tensor):
+    """The native KV store `store_kv_(cache, scale_zero, x, slots, bits)` for new k or v rows
+    x (T, Hkv, D) on the CPU (unit stride along D, f32 / bf16), else None: the caller keeps
+    index_copy_ and `quantize_kv`. Its codes and params are the reference's bit for bit."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if x.dim() != 3 or x.stride(-1) != 1:
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.store_kv_
+
+
 def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
     """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
     window) -> out` for an unquantized cache of this dtype and device, or None: the caller

@@ -207,6 +207,88 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
+// ---- KV store ----------------------------------------------------------------------------
+// A step's new k or v rows x (T, Hkv, D), unit stride along D, into the paged cache at flat
+// slots (T,) int64 (a negative slot is a padding row: skipped). bits 0: the rows as they are
+// (cache of x's dtype). bits 8 / 4: asymmetric per (token, head) quantisation, bit for bit
+// attention/torch_ref.quantize_kv's: scale = max((max - min) / levels, 1e-8) and zero = min,
+// both stored in x's dtype and read back through it, codes round-half-even((x - zero) / scale)
+// clamped to [0, levels] (two 4-bit codes per byte, the even dimension low). The divisions
+// are IEEE (no reciprocal), as torch's. One pass instead of ~17 small torch ops per tensor.
+template <typename T>
+void store_kv_rows(const T* x, int64_t sx0, int64_t sx1, const int64_t* slots, int64_t n,
+                   int64_t H, int64_t D, void* cache, T* sz, int64_t bits) {
+  at::parallel_for(0, n * H, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, slot = slots[t];
+      if (slot < 0) continue;
+      const T* xr = x + t * sx0 + h * sx1;
+      const int64_t idx = slot * H + h;
+      if (bits == 0) {
+        std::memcpy(static_cast<T*>(cache) + idx * D, xr, D * sizeof(T));
+        continue;
+      }
+      float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+      for (int64_t d = 0; d < D; ++d) {
+        lo = std::min(lo, to_f(xr[d]));
+        hi = std::max(hi, to_f(xr[d]));
+      }
+      const float levels = bits == 8 ? 255.f : 15.f;
+      const T scale_q = from_f<T>(std::max((hi - lo) / levels, 1e-8f));
+      const T zero_q = from_f<T>(lo);
+      const float scale = std::max(to_f(scale_q), 1e-8f), zero = to_f(zero_q);
+      sz[idx * 2] = scale_q;
+      sz[idx * 2 + 1] = zero_q;
+      auto code = [&](int64_t d) {
+        const float c = std::nearbyint((to_f(xr[d]) - zero) / scale);
+        return static_cast<uint8_t>(std::min(std::max(c, 0.f), levels));
+      };
+      uint8_t* c = static_cast<uint8_t*>(cache);
+      if (bits == 8)
+        for (int64_t d = 0; d < D; ++d) c[idx * D + d] = code(d);
+      else
+        for (int64_t d = 0; d < D / 2; ++d)
+          c[idx * (D / 2) + d] = static_cast<uint8_t>(code(2 * d) | (code(2 * d + 1) << 4));
+    }
+  });
+}
+
+void store_kv_(at::Tensor cache, const c10::optional<at::Tensor>& scale_zero, const at::Tensor& x,
+               const at::Tensor& slots, int64_t bits) {
+  TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "store_kv_: bits must be 0, 8 or 4");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
+              "store_kv_: x must be a CPU (T, Hkv, D) tensor with unit stride along D");
+  const int64_t n = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              "store_kv_: slots must be a contiguous (T,) int64 tensor");
+  TORCH_CHECK(cache.is_contiguous() && cache.device().is_cpu(), "store_kv_: cache contiguous");
+  const int64_t width = bits == 4 ? D / 2 : D;
+  TORCH_CHECK(bits != 4 || D % 2 == 0, "store_kv_: int4 needs an even head_dim");
+  TORCH_CHECK(cache.dim() >= 2 && cache.size(-1) == width && cache.size(-2) == H,
+              "store_kv_: cache rows must be (.., Hkv, ", width, ")");
+  TORCH_CHECK(bits == 0 ? cache.scalar_type() == x.scalar_type()
+                        : cache.scalar_type() == at::kByte,
+              "store_kv_: cache dtype must be x's (bits 0) or uint8");
+  const int64_t num_slots = cache.numel() / (H * width);
+  at::Tensor sz;
+  if (bits != 0) {
+    TORCH_CHECK(scale_zero.has_value() && scale_zero->is_contiguous() &&
+                    scale_zero->scalar_type() == x.scalar_type() &&
+                    scale_zero->numel() == num_slots * H * 2,
+                "store_kv_: scale_zero must be a contiguous (.., Hkv, 2) tensor of x's dtype");
+    sz = *scale_zero;
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)  // all checked before anything is written
+    TORCH_CHECK(sp[t] < num_slots, "store_kv_: slot ", sp[t], " out of range (", num_slots,
+                " slots)");
+  SL_DISPATCH(x.scalar_type(), "store_kv_", [&] {
+    store_kv_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), sp, n, H, D,
+                            cache.data_ptr(), bits ? sz.data_ptr<scalar_t>() : nullptr, bits);
+  });
+}
+
 // ---- Paged decode attention ------------------------------------------------------------
 // One new token per sequence. q (S, H, D); k/v cache (num_blocks, block_size, Hkv, D);
 // block_tables (S, max_blocks) int64; context_lens (S,) int64 (the new token included).
@@ -1173,6 +1255,10 @@ TORCH_LIBRARY(steadylm_cpu, m) {
         &fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &rotary_);
+  m.def(
+      "store_kv_(Tensor(a!) cache, Tensor(b!)? scale_zero, Tensor x, Tensor slots, int bits) "
+      "-> ()",
+      &store_kv_);
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int window) -> Tensor",
