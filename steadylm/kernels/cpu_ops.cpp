@@ -748,9 +748,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // a preemption or from a prefix-cache hit gives the same bits; with a quantized cache this is
 // what keeps the KV codes written after it identical too (one ulp can move a 4-bit code).
 //
-// Work items are (tile of up to kQTile consecutive rows of one sequence, KV head, span): the
-// span's K and V rows are dequantized to fp32 once and reused by the tile's rows and the G
-// query heads that share the KV head; each row's G heads then take the decode kernel's
+// Work items are (tile of up to kQTile consecutive rows of one sequence, span, KV head), the
+// KV head fastest: a thread takes a run of spans with all their KV heads, so the heads' rows,
+// which interleave in the same cache blocks, are read in the same minutes (the KV head slowest
+// read each block four times, a quarter of its lines each: 16k context alone, 12 layers, int8,
+// 13.6-21.8 -> 12.5-12.8 ms). The span's K and V rows are dequantized to fp32 once and reused
+// by the tile's rows and the G query heads that share the KV head; each row's G heads then take the decode kernel's
 // register passes over them (score_rows / value_rows with one KV head). The cache rows are
 // prefetched kRowsAhead positions ahead of their dequantisation: a KV head's part of a row
 // is one cache line of int8 codes, in blocks scattered over memory. (decode_attention_share.py
@@ -850,7 +853,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
       std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(kQTile * G * D);
       std::vector<float> p(kQTile * G * kSpan), part(G * kVec * kVec), acc(G * D);
       for (int64_t item = i0; item < i1; ++item) {
-        const int64_t span = item % max_span, hk = (item / max_span) % hkv;
+        const int64_t hk = item % hkv, span = (item / hkv) % max_span;
         const int64_t tile = tile0 + item / max_span / hkv;
         const int64_t t0 = tile_start[tile], t1 = tile_start[tile + 1];
         const int64_t s_lo = span * kSpan;
