@@ -42,15 +42,15 @@ def main(argv=None) -> int:
         for m in engine.runner.model.modules()
         if isinstance(getattr(m, "kernel", None), OneDNNDenseKernel)
     ]
-    addresses = [k.gemv_address for k in dense]
+    gemv_rows = [k.gemv_max_rows for k in dense]
     weight_bytes = step_weight_bytes(args.model)
     offline_once(engine, 1, 256, 8, seed=999)  # warm-up
     runs: dict[str, list[tuple[float, float]]] = {"gemv": [], "onednn": []}
     t0 = time.time()
     while not runs["onednn"] or time.time() - t0 < args.seconds:
         for mode, got in runs.items():
-            for k, a in zip(dense, addresses):
-                k.gemv_address = a if mode == "gemv" else None
+            for k, r in zip(dense, gemv_rows):
+                k.gemv_max_rows = r if mode == "gemv" else 0
             before = read_bandwidth(repeats=5)
             tps = offline_once(engine, 1, 256, 128)["decode_tokens_per_s_per_request"]
             after = read_bandwidth(repeats=5)

@@ -110,10 +110,13 @@ def test_gemv_share_produces_a_result(tmp_path):
     probe = OneDNNDenseKernel(torch.randn(128, 64), None) if _onednn() else None
     if probe is None or probe.gemv_address is None:
         pytest.skip(f"no packed GEMV on this CPU / build ({kernels.status()})")
-    out = tmp_path / "gemv.json"
-    run("benchmarks/gemv_share.py", "--seconds", "0", "--layers", "1", "--json", str(out))
-    got = json.loads(out.read_text())
-    assert got["rounds"] >= 1 and got["gemv"] > 0 and got["onednn"] > 0
+    for rows in (1, 5):  # one tile; two tiles of a block (3 + 2 rows)
+        out = tmp_path / f"gemv{rows}.json"
+        args = ("--seconds", "0", "--layers", "1", "--rows", str(rows), "--json", str(out))
+        run("benchmarks/gemv_share.py", *args)
+        got = json.loads(out.read_text())
+        assert got["rounds"] >= 1 and got["gemv"] > 0 and got["onednn"] > 0
+        assert got["rows"] == rows and got["gemv_ms"] > 0 and got["onednn_ms"] > 0
 
 
 @pytest.mark.parametrize("extra", [(), ("--quant-policy", "4", "--batch", "3")])
