@@ -750,10 +750,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 //
 // Work items are (tile of up to kQTile consecutive rows of one sequence, span, KV head), the
 // KV head fastest: a thread takes a run of spans with all their KV heads, so the heads' rows,
-// which interleave in the same cache blocks, are read in the same minutes (the KV head slowest
-// read each block four times, a quarter of its lines each: 16k context alone, 12 layers, int8,
-// 13.6-21.8 -> 12.5-12.8 ms). The span's K and V rows are dequantized to fp32 once and reused
-// by the tile's rows and the G query heads that share the KV head; each row's G heads then take the decode kernel's
+// which interleave in the same cache blocks, are read one right after another (the KV head
+// slowest read each block four times over the whole step, a quarter of its lines each time:
+// 16k context alone, 12 layers, int8, 2048-block cache: 13.6-21.8 -> 12.5-12.8 ms). The
+// span's K and V rows are dequantized to fp32 once and reused by the tile's rows and the G
+// query heads that share the KV head; each row's G heads then take the decode kernel's
 // register passes over them (score_rows / value_rows with one KV head). The cache rows are
 // prefetched kRowsAhead positions ahead of their dequantisation: a KV head's part of a row
 // is one cache line of int8 codes, in blocks scattered over memory. (decode_attention_share.py
@@ -1005,9 +1006,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // A decode step at batch 1-4 is a chain of GEMVs bound by how fast the weights stream from
 // memory; oneDNN's matmul read them at 0.43-0.81 of a plain torch.sum's rate on the VMs here,
 // this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). Up to 16 rows
-// (batched decode) it also matched or beat oneDNN's matmul on AVX-512 (fp32 1.02-1.14x, bf16
-// 1.00-1.19x over a decode step's 49 linears; above 24 rows oneDNN's blocking wins, so the
-// caller keeps oneDNN there: packed_linear_max_rows). It reads the weight oneDNN reordered at
+// (batched decode) it also matched or beat oneDNN's matmul on AVX-512 over a decode step's 49
+// linears (8 rows: fp32 1.10-1.22x, bf16 1.07-1.19x; 16 rows: 0.97-1.20x and 1.04-1.07x);
+// above 24 rows oneDNN's blocking wins, so the caller keeps oneDNN there
+// (packed_linear_max_rows). It reads the weight oneDNN reordered at
 // load time, in place, so the model keeps one copy: the caller (layers/linear.py) checks the
 // layout exactly once per layer and passes the buffer's address. Layouts read here, with N a
 // multiple of 64:
