@@ -94,15 +94,21 @@ def status() -> str:
     return "native" if _state["ops"] is not None else f"torch ({_state['error']})"
 
 
-def _native_for(*tensors: torch.Tensor):
+def _native_for(*tensors: torch.Tensor, rows: bool = False):
     """The native ops if every tensor is one they take (checked first: a CUDA tensor never
-    triggers the CPU build)."""
+    triggers the CPU build): contiguous, or with `rows` only unit stride along the last dim."""
     for t in tensors:
         if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if not t.is_contiguous():
+        if not (t.stride(-1) == 1 if rows else t.is_contiguous()):
             return None
     return native_ops()
+
+
+def _native_rows(x: torch.Tensor):
+    """The native ops for x (T, heads, D) with unit stride along D, any other strides (a view
+    of the fused qkv output), else None."""
+    return _native_for(x, rows=True) if x.dim() == 3 else None
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -223,29 +229,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
-def native_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The native in-place rotary op `rotary_(x, cos, sin) -> x` if it takes these tensors
-    (CPU, one dtype, unit stride along D; x may be a strided view), else None. Its bits are
+def native_rotary(x: torch.Tensor):
+    """The native in-place rotary op `rotary_(x, cos, sin) -> x` if it takes x (its cos/sin
+    layout is the caller's check, `layers.rotary`), else None. Its bits are
     `layers.rotary.rotate_ref`'s: each product and the sum rounded as torch's ops round them."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not (x.dtype == cos.dtype == sin.dtype) or x.dim() != 3 or x.stride(-1) != 1:
-        return None
-    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
-        return None
-    ops = native_ops()
+    ops = _native_rows(x)
     return None if ops is None else ops.rotary_
 
 
 def native_store_kv(x: torch.Tensor):
     """The native KV store `store_kv_(cache, scale_zero, x, slots, bits)` for new k or v rows
-    x (T, Hkv, D) on the CPU (unit stride along D, f32 / bf16), else None: the caller keeps
-    index_copy_ and `quantize_kv`. Its codes and params are the reference's bit for bit."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if x.dim() != 3 or x.stride(-1) != 1:
-        return None
-    ops = native_ops()
+    x (T, Hkv, D), else None: the caller keeps index_copy_ and `quantize_kv`. Its codes and
+    params are the reference's bit for bit."""
+    ops = _native_rows(x)
     return None if ops is None else ops.store_kv_
 
 
@@ -276,10 +272,8 @@ def packed_linear_max_rows() -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
     least as fast (16 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
     the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there."""
-    if "max_rows" not in _state:
-        ops = native_ops()
-        _state["max_rows"] = 0 if ops is None else int(ops.packed_linear_max_rows())
-    return _state["max_rows"]
+    ops = native_ops()
+    return 0 if ops is None else int(ops.packed_linear_max_rows())
 
 
 def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:

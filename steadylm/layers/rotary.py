@@ -74,15 +74,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x (T, heads, D) rotated by cos, sin (T, 1, D): in place in one kernel (Triton on CUDA,
     the native op on CPU; x may be a view of the fused qkv output), else a new tensor from
     the reference; use the result."""
-    tri = kernels.triton_ops_for(x, cos, sin)
-    if tri is not None and x.stride(-1) == 1 and x.dtype == cos.dtype and _rows(cos, sin):
-        return tri.rotary_(x, cos, sin)
-    native = kernels.native_rotary(x, cos, sin)
-    if native is not None:
-        return native(x, cos, sin)
+    if x.stride(-1) == 1 and x.dtype == cos.dtype and _rows(cos, sin):  # the kernels' layout
+        tri = kernels.triton_ops_for(x, cos, sin)
+        if tri is not None:
+            return tri.rotary_(x, cos, sin)
+        native = kernels.native_rotary(x)
+        if native is not None:
+            return native(x, cos, sin)
     return rotate_ref(x, cos, sin)
 
 
 def _rows(cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """cos and sin laid out alike with unit stride along D (the kernel's one row stride)."""
-    return cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    """cos and sin of one dtype, laid out alike with unit stride along D (the kernels' one
+    row stride)."""
+    return cos.dtype == sin.dtype and cos.stride(-1) == 1 and cos.stride() == sin.stride()
