@@ -270,7 +270,7 @@ def native_paged_attention(dtype: torch.dtype, device: torch.device):
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------
 def packed_linear_max_rows() -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
-    least as fast (16 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
+    least as fast (64 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
     the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there."""
     ops = native_ops()
     return 0 if ops is None else int(ops.packed_linear_max_rows())

@@ -1005,11 +1005,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // ---- small-batch linear over oneDNN's packed weight -------------------------------------
 // A decode step at batch 1-4 is a chain of GEMVs bound by how fast the weights stream from
 // memory; oneDNN's matmul read them at 0.43-0.81 of a plain torch.sum's rate on the VMs here,
-// this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). Up to 16 rows
-// (batched decode) it also matched or beat oneDNN's matmul on AVX-512 over a decode step's 49
-// linears (8 rows: fp32 1.10-1.22x, bf16 1.07-1.19x; 16 rows: 0.97-1.20x and 1.04-1.07x);
-// above 24 rows oneDNN's blocking wins, so the caller keeps oneDNN there
-// (packed_linear_max_rows). It reads the weight oneDNN reordered at
+// this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). Up to 64 rows
+// (batched decode) it also beats oneDNN's matmul on AVX-512 (packed_linear_max_rows; above
+// that oneDNN's blocking catches up, so the caller keeps oneDNN there). It reads the weight oneDNN reordered at
 // load time, in place, so the model keeps one copy: the caller (layers/linear.py) checks the
 // layout exactly once per layer and passes the buffer's address. Layouts read here, with N a
 // multiple of 64:
@@ -1023,6 +1021,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // A tile is noinline on purpose: inlined into packed_gemm's loop, GCC 12 kept the 2-5 row
 // tiles' accumulators on the stack (a load and a store around every FMA): the bf16 step at 4
 // rows ran at 0.83x of oneDNN that way, 1.16-1.24x now.
+// What one row tile computes: M rows of x (row stride k) against one 64-column block of
+// weights wb, over the K steps [i0, i1). Its accumulators start at zero (i0 == 0) or from
+// `part` (the rows' fp32 sums over the K chunks before, M * 64 floats) and are stored back
+// there, unless i1 == k: then the rows' outputs (+ bias) go to y.
+template <typename T>
+struct Tile {
+  const T* x;
+  const T* wb;
+  const T* bias;
+  T* y;
+  int64_t n, k, col, i0, i1;
+  float* part;
+  const char* pf;  // Fetch > 0: the lines this tile prefetches, Fetch of them per K step
+};
+
+// A tile's software prefetch into L2 (the Fetch template argument): kAhead, kPrefetch elements
+// ahead of its own weights (a block's only tile, which streams them from memory once); n > 0,
+// n lines of Tile::pf per K step (its share of the next K chunk, see packed_gemm); 0, none.
+constexpr int kAhead = -1;
+
 #if defined(__AVX512F__)
 constexpr int64_t kPackBlock = 64;
 // Software prefetch 16 KiB ahead into L2 (T1). Into L1 (T0) at 8 KiB it cost a third of the
@@ -1030,22 +1048,39 @@ constexpr int64_t kPackBlock = 64;
 // 16 or 32 KiB (T2 the same, no prefetch 0.88; docs/benchmarks.md, 2026-12-04 fourth session).
 constexpr int64_t kPrefetch = 4096;  // floats ahead
 constexpr auto kPrefetchHint = _MM_HINT_T1;
+constexpr bool kChunkedTiles = true;
 
-// One pass over a 64-column block for M <= kRowTile rows: M * 4 accumulators, the block's four
-// weight vectors of a K step loaded once into registers and broadcast-multiplied by each row.
-// Only the first row tile of a block prefetches (Fetch): later tiles find the block in L2.
-template <int M, bool Fetch>
-__attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const float* bias,
-                                         float* y, int64_t n, int64_t k, int64_t col) {
-  __m512 acc[M][4];
+template <int M>
+inline void start_acc(__m512 (&acc)[M][4], const float* part) {
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
+    for (int v = 0; v < 4; ++v)
+      acc[m][v] = part ? _mm512_loadu_ps(part + m * kPackBlock + 16 * v) : _mm512_setzero_ps();
+}
+
+template <int M>
+inline void keep_acc(const __m512 (&acc)[M][4], float* part) {
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(part + m * kPackBlock + 16 * v, acc[m][v]);
+}
+
+// A pass over a 64-column block's K steps [i0, i1) for M <= kRowTile rows: M * 4 accumulators,
+// the block's four weight vectors of a K step loaded once into registers and
+// broadcast-multiplied by each row.
+template <int M, int Fetch>
+__attribute__((noinline)) void gemv_tile(const Tile<float>& a) {
+  const float* x = a.x;
+  const float* wb = a.wb;
+  const char* pf = a.pf;
+  const int64_t k = a.k, i0 = a.i0, i1 = a.i1;
+  __m512 acc[M][4];
+  start_acc<M>(acc, i0 == 0 ? nullptr : a.part);
+  for (int64_t i = i0; i < i1; ++i) {
     const float* wr = wb + i * kPackBlock;
-    if (Fetch) {
+    if constexpr (Fetch == kAhead) {
       _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), kPrefetchHint);
       _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), kPrefetchHint);
     }
+    for (int l = 0; l < Fetch; ++l) _mm_prefetch(pf + ((i - i0) * Fetch + l) * 64, kPrefetchHint);
     __m512 wv[4];
     for (int v = 0; v < 4; ++v) {
       wv[v] = _mm512_loadu_ps(wr + 16 * v);
@@ -1056,11 +1091,12 @@ __attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const 
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(xv, wv[v], acc[m][v]);
     }
   }
+  if (i1 < k) return keep_acc<M>(acc, a.part);
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < 4; ++v) {
       __m512 r = acc[m][v];
-      if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + col + 16 * v));
-      _mm512_storeu_ps(y + m * n + col + 16 * v, r);
+      if (a.bias) r = _mm512_add_ps(r, _mm512_loadu_ps(a.bias + a.col + 16 * v));
+      _mm512_storeu_ps(a.y + m * a.n + a.col + 16 * v, r);
     }
 }
 
@@ -1068,19 +1104,23 @@ __attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const 
 constexpr bool kPackedBf16 = true;
 // bf16 pairs (k, k+1) per output: vdpbf16ps multiplies them exactly and accumulates in fp32,
 // as oneDNN's own bf16 matmul does on this ISA; bias in fp32, one rounding to bf16 at the end.
-template <int M, bool Fetch>
-__attribute__((noinline)) void gemv_tile(const c10::BFloat16* x, const c10::BFloat16* wb,
-                                         const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
-                                         int64_t k, int64_t col) {
+// A K step is a pair: 64 columns * 2 * 2 bytes, four lines, as an fp32 step.
+template <int M, int Fetch>
+__attribute__((noinline)) void gemv_tile(const Tile<c10::BFloat16>& a) {
+  const c10::BFloat16* x = a.x;
+  const c10::BFloat16* wb = a.wb;
+  const char* pf = a.pf;
+  const int64_t k = a.k, i0 = a.i0, i1 = a.i1;
   __m512 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 2) {
+  start_acc<M>(acc, i0 == 0 ? nullptr : a.part);
+  for (int64_t i = i0; i < i1; i += 2) {
     const c10::BFloat16* wr = wb + i * kPackBlock;
-    if (Fetch) {
+    if constexpr (Fetch == kAhead) {
       _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), kPrefetchHint);
       _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), kPrefetchHint);
     }
+    for (int l = 0; l < Fetch; ++l)
+      _mm_prefetch(pf + ((i - i0) / 2 * Fetch + l) * 64, kPrefetchHint);
     __m512 wv[4];
     for (int v = 0; v < 4; ++v) {
       wv[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(wr + 32 * v));
@@ -1093,13 +1133,14 @@ __attribute__((noinline)) void gemv_tile(const c10::BFloat16* x, const c10::BFlo
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)wv[v], xv);
     }
   }
+  if (i1 < k) return keep_acc<M>(acc, a.part);
   float buf[kPackBlock];
   for (int m = 0; m < M; ++m) {
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(buf + 16 * v, acc[m][v]);
     for (int64_t j = 0; j < kPackBlock; ++j) {
       float r = buf[j];
-      if (bias) r += static_cast<float>(bias[col + j]);
-      y[m * n + col + j] = static_cast<c10::BFloat16>(r);
+      if (a.bias) r += static_cast<float>(a.bias[a.col + j]);
+      a.y[m * a.n + a.col + j] = static_cast<c10::BFloat16>(r);
     }
   }
 }
@@ -1110,14 +1151,17 @@ constexpr bool kPackedBf16 = false;
 // AVX2 (16 vector registers): a pass covers V of the block's eight 8-wide column vectors for
 // all M rows (M * V accumulators, the weights read as FMA memory operands); more rows take
 // more passes over the block, whose K * 64 weights are still in L2 for the passes after the
-// first.
+// first. Its tiles take the whole of K (no chunks).
 constexpr int64_t kPackBlock = 64;
 constexpr int64_t kPrefetch = 2048;
 constexpr bool kPackedBf16 = false;
+constexpr bool kChunkedTiles = false;
 
-template <int M, bool Fetch>
-__attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const float* bias,
-                                         float* y, int64_t n, int64_t k, int64_t col) {
+template <int M, int Fetch>
+__attribute__((noinline)) void gemv_tile(const Tile<float>& a) {
+  const float* x = a.x;
+  const float* wb = a.wb;
+  const int64_t k = a.k;
   constexpr int V = M == 1 ? 8 : (M <= 3 ? 4 : 2);
   for (int64_t c0 = 0; c0 < kPackBlock; c0 += 8 * V) {
     __m256 acc[M][V];
@@ -1125,7 +1169,7 @@ __attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const 
       for (int v = 0; v < V; ++v) acc[m][v] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; ++i) {
       const float* wr = wb + i * kPackBlock + c0;
-      if (Fetch && c0 == 0) {
+      if (Fetch == kAhead && c0 == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch + 32), _MM_HINT_T0);
       }
@@ -1137,10 +1181,10 @@ __attribute__((noinline)) void gemv_tile(const float* x, const float* wb, const 
     }
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v) {
-        const int64_t c = col + c0 + 8 * v;
+        const int64_t c = a.col + c0 + 8 * v;
         __m256 r = acc[m][v];
-        if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + c));
-        _mm256_storeu_ps(y + m * n + c, r);
+        if (a.bias) r = _mm256_add_ps(r, _mm256_loadu_ps(a.bias + c));
+        _mm256_storeu_ps(a.y + m * a.n + c, r);
       }
   }
 }
@@ -1170,28 +1214,61 @@ void by_rows(int64_t m, F&& f) {
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// y (m, n) = x (m, k) @ W^T (+ bias). One 64-column block per task: its K * 64 weights are
-// one sequential stream from memory for the block's first row tile and are read from L2 by
-// the rest (K * 64 * 4 bytes: 512 KiB at K = 2048). The m rows are split into the fewest
-// tiles of at most kRowTile, as even as they go (8 rows: 4 + 4, 16: 6 + 5 + 5). Each output
-// is the same K-ordered chain of FMAs whatever m is, so a row's result does not depend on
-// the rows batched with it.
+// y (m, n) = x (m, k) @ W^T (+ bias). One 64-column block per task. The m rows are split into
+// the fewest tiles of at most kRowTile, as even as they go (8 rows: 4 + 4, 16: 6 + 5 + 5).
+//
+// One tile: the block's K * 64 weights are one sequential stream from memory, prefetched
+// ahead of itself. More tiles (AVX-512): the block goes in K chunks of kChunkBytes, each tile
+// in turn over a chunk (the first from memory, the rest from L2), and while they compute,
+// they prefetch the next chunk (the rest of the block, or the next block's first), each tile
+// its share of its lines at an even rate. Without that the weights streamed only during the
+// first tile and the FMAs of the others waited on nothing but themselves: the memory stood
+// idle for 10 of 16 rows' compute. (49 linears of a decode step at 16 rows on a Zen 4 VM:
+// 20.5-23.0 -> 17.4-18.1 ms; 24 and 32 rows now also ahead of oneDNN's matmul.)
+//
+// Each output is the same K-ordered chain of FMAs whatever m is (a chunk's sums wait in
+// `part` in fp32, exactly), so a row's result does not depend on the rows batched with it.
+constexpr int64_t kChunkBytes = 96 * 1024;
+
 template <typename T>
 void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
+  const bool chunked = kChunkedTiles && tiles > 1;
+  const int64_t kc = chunked ? kChunkBytes / (kPackBlock * int64_t(sizeof(T))) : k;
+  const int64_t per_step = 4 / int64_t(sizeof(T));  // K elements a step takes (lines: 4)
   at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> part(chunked ? m * kPackBlock : 0);
     for (int64_t b = b0; b < b1; ++b) {
-      const T* wb = w + b * k * kPackBlock;
-      const int64_t col = b * kPackBlock;
-      int64_t r0 = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
-        by_rows(rows, [&](auto r) {
-          constexpr int R = decltype(r)::value;
-          if (t == 0) gemv_tile<R, true>(x + r0 * k, wb, bias, y + r0 * n, n, k, col);
-          else gemv_tile<R, false>(x + r0 * k, wb, bias, y + r0 * n, n, k, col);
-        });
-        r0 += rows;
+      for (int64_t i0 = 0; i0 < k; i0 += kc) {
+        const int64_t i1 = std::min(k, i0 + kc), steps = (i1 - i0) / per_step;
+        // The next chunk's 4 * steps lines, shared out: 2 tiles, 2 lines a step each; 3, the
+        // first 2 and the others 1; 4 or more, the first four 1 (none past the thread's end).
+        const bool next = chunked && !(b + 1 == b1 && i1 == k);
+        const char* pf = reinterpret_cast<const char*>(w + (b * k + i1) * kPackBlock);
+        int64_t r0 = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
+          int fetch = 0;
+          int64_t line = 0;
+          if (!chunked) fetch = t == 0 ? kAhead : 0;
+          else if (!next) fetch = 0;
+          else if (tiles == 2) fetch = 2, line = 2 * t * steps;
+          else if (tiles == 3) fetch = t == 0 ? 2 : 1, line = t == 0 ? 0 : (t + 1) * steps;
+          else if (t < 4) fetch = 1, line = t * steps;
+          const Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
+                          b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
+                          pf + line * 64};
+          by_rows(rows, [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            if (fetch == kAhead) gemv_tile<R, kAhead>(a);
+            else if constexpr (kChunkedTiles) {
+              if (fetch == 2) gemv_tile<R, 2>(a);
+              else if (fetch == 1) gemv_tile<R, 1>(a);
+              else gemv_tile<R, 0>(a);
+            } else gemv_tile<R, 0>(a);
+          });
+          r0 += rows;
+        }
       }
     }
   });
@@ -1208,10 +1285,12 @@ at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bia
 #endif
 
 // The most rows packed_linear should be given: where it measured at least as fast as oneDNN's
-// matmul (AVX-512: 16 rows; AVX2, whose tiles are 4 rows of 16 registers: 4), 0 without.
+// matmul (AVX-512: 64 rows: over a decode step's 49 linears on a Zen 4 VM, fp32 and bf16,
+// 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows of 16 registers and
+// take K whole: 4), 0 without.
 int64_t packed_linear_max_rows() {
 #if defined(__AVX512F__)
-  return 16;
+  return 64;
 #elif defined(__AVX2__)
   return 4;
 #else

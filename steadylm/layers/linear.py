@@ -6,11 +6,11 @@ checkpoint has several; their loader copies each checkpoint shard into its row r
 After loading, a dense layer on the CPU hands its weight to a `LinearKernel`: oneDNN's matmul on
 a weight prepacked once into oneDNN's blocked layout (what vLLM's CPU backend does too), which
 measured 2-4x faster than `F.linear` (MKL) for fp32 on an AMD Zen 4 CPU at every batch size, and
-faster for bf16 too. Up to 16 rows (decode batches, short prefills; 4 on AVX2-only CPUs) the
+faster for bf16 too. Up to 64 rows (decode batches, short prefills; 4 on AVX2-only CPUs) the
 same packed buffer is read in place by `kernels.packed_linear`, a GEMV that streamed the
 weights at 0.86-0.93 of a plain memory read's rate where oneDNN's matmul reached 0.75-0.81 on
-AVX-512, and 0.78 against 0.65 on an AVX2-only CPU (fp32), and at 5-16 rows matched or beat
-oneDNN's matmul (docs/benchmarks.md); one copy stays.
+AVX-512, and 0.78 against 0.65 on an AVX2-only CPU (fp32), and at 8-64 rows ran 1.3-1.6x (8-16
+rows) to 1.04-1.09x (64) oneDNN's matmul (docs/benchmarks.md); one copy stays.
 `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 

@@ -95,16 +95,19 @@ def _gemv_kernel(w, b):
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias):
+# (1280, 768): 20 column blocks, fp32 K in two chunks; (192, 2016): 3 blocks (one thread's
+# next chunk is another block's), K in chunks whose last is short in both dtypes
+@pytest.mark.parametrize("n,k", [(1280, 768), (192, 2016)])
+def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     _skip_without_onednn(dtype)
     torch.manual_seed(0)
-    w = torch.randn(1280, 768, dtype=dtype)
-    b = torch.randn(1280, dtype=dtype) if bias else None
+    w = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
-    assert kernel.apply(torch.empty(0, 768, dtype=dtype)).shape == (0, 1280)  # no rows: oneDNN
+    assert kernel.apply(torch.empty(0, k, dtype=dtype)).shape == (0, n)  # no rows: oneDNN
     assert kernel.gemv_max_rows == kernels.packed_linear_max_rows() >= 4
     for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
-        x = torch.randn(m, 768, dtype=dtype)
+        x = torch.randn(m, k, dtype=dtype)
         got = kernel.apply(x)
         onednn = torch.ops.mkldnn._linear_pointwise(x, kernel.weight, b, "none", [], "")
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
