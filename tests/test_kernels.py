@@ -287,6 +287,35 @@ def test_greedy_matches_transformers_with_kernels_on_and_off(arch, model_dirs, m
         assert got == want, f"kernels {'native' if native else 'torch'}"
 
 
+@needs_native
+def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
+    """An unquantized cache's prefill runs the native per-row kernel while its contexts are
+    at most SHORT_PREFILL_CONTEXT tokens, SDPA past that; greedy output matches transformers
+    either way."""
+    from steadylm.attention import torch_ref
+
+    hf, path = model_dirs("llama")
+    prompts = [[3, 17, 42, 5, 88, 61, 9, 23], list(range(5, 35))]
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    rows_seen = []
+
+    def counting(dtype, device):
+        def run(q, *args):
+            rows_seen.append(q.shape[0])
+            return ops.paged_attention(q, *args)
+
+        return run
+
+    monkeypatch.setattr(kernels, "native_paged_attention", counting)
+    for limit, native in ((0, False), (29, False), (30, True)):  # the longest prompt: 30
+        monkeypatch.setattr(torch_ref, "SHORT_PREFILL_CONTEXT", limit)
+        rows_seen.clear()
+        got = [r.output_token_ids for r in engine_for(path).generate(prompts, params)]
+        assert got == want, limit
+        assert (38 in rows_seen) == native, (limit, rows_seen)  # both prompts, one step
+
+
 def test_a_failed_build_falls_back_with_the_reason(monkeypatch, caplog):
     """No compiler (or any build error): the engine keeps running on the references and the
     log says why, instead of failing to start."""
