@@ -316,6 +316,34 @@ def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
         assert (38 in rows_seen) == native, (limit, rows_seen)  # both prompts, one step
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_long_prefill_chunk_after_context_splits_its_attention(arch, model_dirs, monkeypatch):
+    """A chunk of at least SPLIT_PREFIX_MIN_QUERY rows after cached context attends to the
+    context unmasked and to its own keys causally, merged by log-sum-exp: greedy output
+    matches transformers, and the split ran."""
+    from steadylm.attention import torch_ref
+
+    hf, path = model_dirs(arch)
+    prompt = list(range(5, 45))  # chunks of 12: 12, 12, 12, 4 rows
+    want = hf_greedy(hf, prompt, 10)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    splits = []
+    real = torch_ref._prefix_then_causal
+    monkeypatch.setattr(
+        torch_ref,
+        "_prefix_then_causal",
+        lambda q, k, v, prefix, scale: (
+            splits.append((q.shape[1], prefix)) or real(q, k, v, prefix, scale)
+        ),
+    )
+    monkeypatch.setattr(torch_ref, "SHORT_PREFILL_CONTEXT", 0)  # SDPA for every prefill
+    monkeypatch.setattr(torch_ref, "SPLIT_PREFIX_MIN_QUERY", 8)
+    engine = engine_for(path, max_prefill_token_num=12)
+    assert engine.generate([prompt], params)[0].output_token_ids == want
+    layers = engine.model_config.num_layers
+    assert splits == [(12, 12)] * layers + [(12, 24)] * layers  # not the first, not the 4-row tail
+
+
 def test_a_failed_build_falls_back_with_the_reason(monkeypatch, caplog):
     """No compiler (or any build error): the engine keeps running on the references and the
     log says why, instead of failing to start."""

@@ -34,6 +34,14 @@ _LEVELS = {8: 255, 4: 15}
 # ahead. 0 keeps SDPA for every prefill.
 SHORT_PREFILL_CONTEXT = 256
 
+# A prefill chunk of at least this many query rows after cached context (a long prompt's later
+# chunks, a prefix-cache hit), one sequence, no window, on the CPU: two SDPA calls instead of
+# one with a mask, the context before the chunk unmasked and the chunk's own keys causal, merged
+# by their log-sum-exp. One 4096-row chunk, 12 query / 4 KV heads of 64, 2 threads, Zen 4 VM,
+# a layer: 8k context fp32 924 -> 630 ms, bf16 891 -> 603; 16k 1956 -> 1485 and 1632 -> 1426
+# ms; a 512-row chunk gained nothing. 0 keeps the one masked call.
+SPLIT_PREFIX_MIN_QUERY = 1024
+
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, H, D) -> codes (T, H, D or D/2) uint8, scale_zero (T, H, 2) in x.dtype."""
@@ -144,6 +152,10 @@ class TorchAttentionBackend(AttentionBackend):
                     out[out_rows] = _decode_attention(q[out_rows], k, v, t["mask"], scale)
                     continue
                 qp = q[t["q_index"]]  # (S, Q, H, D)
+                if t["prefix"]:
+                    o = _prefix_then_causal(qp, k, v, t["prefix"], scale)
+                    out[t["out_index"]] = o[t["q_valid"]]
+                    continue
                 o = F.scaled_dot_product_attention(
                     qp.transpose(1, 2),
                     k.transpose(1, 2),
@@ -188,6 +200,28 @@ def _token_contexts(g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
     offset = torch.arange(len(token_seq), device=seqs.device) - starts[token_seq]
     first_new = (g.context_lens - g.query_lens)[token_seq]
     return token_seq, first_new + offset + 1
+
+
+def _prefix_then_causal(q, k, v, prefix: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk q (1, Q, H, D) after `prefix` cached positions, keys/values
+    (1, >= prefix + Q, Hkv, D): attention over the prefix (every row sees all of it: no mask,
+    GQA query heads folded into rows) and over the chunk's own Q keys (causal), merged by the
+    two parts' log-sum-exp. CPU only (torch's CPU flash kernel returns the log-sum-exp)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    s, n, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qh = q.transpose(1, 2)  # (1, H, Q, D)
+    kh, vh = k[:, : prefix + n].transpose(1, 2), v[:, : prefix + n].transpose(1, 2)
+    o1, l1 = flash(qh.reshape(s, hkv, g * n, d), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
+    o1, l1 = o1.reshape(s, h, n, d), l1.reshape(s, h, n)
+    own_k = kh[:, :, prefix:].repeat_interleave(g, 1)
+    own_v = vh[:, :, prefix:].repeat_interleave(g, 1)
+    o2, l2 = flash(qh, own_k, own_v, is_causal=True, scale=scale)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp(), (l2 - m).exp()
+    o = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    return o.to(q.dtype).transpose(1, 2)  # (1, Q, H, D)
 
 
 def _decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -298,7 +332,16 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
         and bool((host_q == max_q).all())
         and bool((host_ctx == max_q).all())
     )
+    prefix = int(host_ctx[0] - host_q[0]) if len(seqs) == 1 else 0
+    split = (
+        device.type == "cpu"
+        and window is None
+        and SPLIT_PREFIX_MIN_QUERY > 0
+        and max_q >= SPLIT_PREFIX_MIN_QUERY
+        and prefix > 0
+    )
     return {
+        "prefix": prefix if split else 0,
         "decode": max_q == 1,
         "slice": slice(g.token_start, g.token_end) if in_order else None,
         "ctx": max_ctx if single or causal else None,
