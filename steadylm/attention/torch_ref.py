@@ -152,7 +152,7 @@ class TorchAttentionBackend(AttentionBackend):
                     out[out_rows] = _decode_attention(q[out_rows], k, v, t["mask"], scale)
                     continue
                 qp = q[t["q_index"]]  # (S, Q, H, D)
-                if t["prefix"]:
+                if t["prefix"] and q.dtype in (torch.float32, torch.bfloat16):
                     o = _prefix_then_causal(qp, k, v, t["prefix"], scale)
                     out[t["out_index"]] = o[t["q_valid"]]
                     continue
