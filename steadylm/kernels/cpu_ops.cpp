@@ -1021,6 +1021,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // A tile is noinline on purpose: inlined into packed_gemm's loop, GCC 12 kept the 2-5 row
 // tiles' accumulators on the stack (a load and a store around every FMA): the bf16 step at 4
 // rows ran at 0.83x of oneDNN that way, 1.16-1.24x now.
+
 // What one row tile computes: M rows of x (row stride k) against one 64-column block of
 // weights wb, over the K steps [i0, i1). Its accumulators start at zero (i0 == 0) or from
 // `part` (the rows' fp32 sums over the K chunks before, M * 64 floats) and are stored back
