@@ -84,9 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # Decode reads the paged cache in place: no gather, no tiles, no mask.
                 g.prepared = {"native": native, "window": md.sliding_window or 0}
             elif rows is not None and g.max_context_len <= SHORT_PREFILL_CONTEXT:
-                seq, ctx = _token_contexts(g)
-                g.prepared = {"rows": rows, "window": md.sliding_window or 0}
-                g.prepared.update(token_seq=seq, token_ctx=ctx)
+                g.prepared = _rows_prepared(g, rows, md.sliding_window)
             else:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
@@ -100,9 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
             if native is None:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
                 continue
-            seq, ctx = _token_contexts(g)
-            g.prepared = {"rows": native, "window": md.sliding_window or 0}
-            g.prepared.update(token_seq=seq, token_ctx=ctx)
+            g.prepared = _rows_prepared(g, native, md.sliding_window)
 
     def write(self, cache: KVCache, layer: int, k, v, md: AttentionMetadata) -> None:
         slots = md.slot_mapping
@@ -189,6 +185,13 @@ def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
         p["window"],
         bits,
     )
+
+
+def _rows_prepared(g: AttentionGroup, rows, window: int | None) -> dict:
+    """A group's plan for the native per-row kernel `rows`: each query row's sequence and
+    context length."""
+    seq, ctx = _token_contexts(g)
+    return {"rows": rows, "window": window or 0, "token_seq": seq, "token_ctx": ctx}
 
 
 def _token_contexts(g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:

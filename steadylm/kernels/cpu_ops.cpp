@@ -1007,10 +1007,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // memory; oneDNN's matmul read them at 0.43-0.81 of a plain torch.sum's rate on the VMs here,
 // this loop at 0.79-0.98 (benchmarks/gemv_share.py, docs/benchmarks.md). Up to 64 rows
 // (batched decode) it also beats oneDNN's matmul on AVX-512 (packed_linear_max_rows; above
-// that oneDNN's blocking catches up, so the caller keeps oneDNN there). It reads the weight oneDNN reordered at
-// load time, in place, so the model keeps one copy: the caller (layers/linear.py) checks the
-// layout exactly once per layer and passes the buffer's address. Layouts read here, with N a
-// multiple of 64:
+// that oneDNN's blocking catches up, so the caller keeps oneDNN there). It reads the weight
+// oneDNN reordered at load time, in place, so the model keeps one copy: the caller
+// (layers/linear.py) checks the layout exactly once per layer and passes the buffer's address.
+// Layouts read here, with N a multiple of 64:
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
 //   bf16: (N / 64, K / 2, 64, 2)   w[n, k] at (((n / 64) * K + k - k % 2) * 64 + n % 64 * 2 + k % 2)
 // One 64-row block per task: its K * 64 weights are one sequential stream, and every x value
@@ -1231,6 +1231,16 @@ void by_rows(int64_t m, F&& f) {
 // `part` in fp32, exactly), so a row's result does not depend on the rows batched with it.
 constexpr int64_t kChunkBytes = 96 * 1024;
 
+// Tile t's share of the next K chunk's 4 * steps lines, as (lines a K step, first line): 2
+// tiles, 2 lines a step each; 3, the first 2 and the others 1; 4 or more, the first four 1.
+inline std::pair<int, int64_t> next_chunk_share(int64_t tiles, int64_t t, int64_t steps) {
+  if (tiles == 2) return {2, 2 * t * steps};
+  if (tiles == 3 && t == 0) return {2, 0};
+  if (tiles == 3) return {1, (t + 1) * steps};
+  if (t < 4) return {1, t * steps};
+  return {0, 0};
+}
+
 template <typename T>
 void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
@@ -1242,20 +1252,16 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t i0 = 0; i0 < k; i0 += kc) {
         const int64_t i1 = std::min(k, i0 + kc), steps = (i1 - i0) / per_step;
-        // The next chunk's 4 * steps lines, shared out: 2 tiles, 2 lines a step each; 3, the
-        // first 2 and the others 1; 4 or more, the first four 1 (none past the thread's end).
+        // The next chunk (none past the thread's last block), shared out among the tiles.
         const bool next = chunked && !(b + 1 == b1 && i1 == k);
         const char* pf = reinterpret_cast<const char*>(w + (b * k + i1) * kPackBlock);
         int64_t r0 = 0;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
-          int fetch = 0;
-          int64_t line = 0;
-          if (!chunked) fetch = t == 0 ? kAhead : 0;
-          else if (!next) fetch = 0;
-          else if (tiles == 2) fetch = 2, line = 2 * t * steps;
-          else if (tiles == 3) fetch = t == 0 ? 2 : 1, line = t == 0 ? 0 : (t + 1) * steps;
-          else if (t < 4) fetch = 1, line = t * steps;
+          const auto share = next ? next_chunk_share(tiles, t, steps)
+                                  : std::pair<int, int64_t>{!chunked && t == 0 ? kAhead : 0, 0};
+          const int fetch = share.first;
+          const int64_t line = share.second;
           const Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
                           b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
                           pf + line * 64};
@@ -1287,8 +1293,8 @@ at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bia
 
 // The most rows packed_linear should be given: where it measured at least as fast as oneDNN's
 // matmul (AVX-512: 64 rows: over a decode step's 49 linears on a Zen 4 VM, fp32 and bf16,
-// 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows of 16 registers and
-// take K whole: 4), 0 without.
+// 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows
+// of 16 registers and take K whole: 4), 0 without.
 int64_t packed_linear_max_rows() {
 #if defined(__AVX512F__)
   return 64;
