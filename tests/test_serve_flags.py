@@ -363,6 +363,22 @@ def test_a_refused_flag_is_one_line_and_exit_2(tmp_path):
 
 
 @needs_shared
+def test_a_port_in_use_fails_before_the_model_loads():
+    """The server takes its port before loading (as vLLM does): a busy port is one line and
+    exit 2 at once, not a uvicorn error after the load."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _cli("--log-level", "INFO", "serve", str(STORIES), "--port", str(port))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "loaded" not in out.stderr.lower() and "KV cache" not in out.stderr
+
+
+@needs_shared
 @pytest.mark.timeout(300)
 def test_vllm_and_lmdeploy_flags_on_a_real_server():
     from tests.entrypoints.test_server import free_port, wait_healthy

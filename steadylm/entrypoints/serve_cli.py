@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 
 from steadylm.entrypoints import serve_compat
 from steadylm.errors import ConfigError
@@ -291,6 +292,26 @@ def configure_app(app, args: argparse.Namespace) -> None:
         )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port` (IPv4 or IPv6 as `host` resolves; port 0: any
+    free one), with SO_REUSEADDR as uvicorn sets it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--server-name {host!r}: {e.strerror}") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
 def run(args: argparse.Namespace, engine_config) -> int:
     """Serve until SIGTERM. `check_args(args)` has run (cli.py calls it before the engine
     config is built, so a rejected flag is reported before anything else)."""
@@ -302,6 +323,9 @@ def run(args: argparse.Namespace, engine_config) -> int:
 
     check_api_keys(args.api_keys)  # before minutes of loading, not after
     tls = ssl_files() if args.ssl else {}
+    # The port is taken before the engine loads, as vLLM does: a port in use fails now rather
+    # than after minutes of loading, and tensor-parallel workers' sockets cannot take it meanwhile.
+    sock = listen_socket(args.server_name, args.server_port)
     tokenizer = load_tokenizer(args.model)
     if args.reasoning_parser:  # a model without the thought markers fails before loading
         from steadylm.entrypoints.server.reasoning import REASONING_PARSERS, marker_ids
@@ -336,13 +360,18 @@ def run(args: argparse.Namespace, engine_config) -> int:
     # handler that was installed before it: make that a no-op so a graceful stop exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     scheme = "https" if tls else "http"
-    logger.info("serving %s on %s://%s:%d", name, scheme, args.server_name, args.server_port)
-    uvicorn.run(
+    port = sock.getsockname()[1]  # the bound one when --server-port 0
+    logger.info("serving %s on %s://%s:%d", name, scheme, args.server_name, port)
+    config = uvicorn.Config(
         app,
         host=args.server_name,
-        port=args.server_port,
+        port=port,
         log_level="warning",
         timeout_graceful_shutdown=args.graceful_shutdown_s,
         **tls,
     )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        return 1
     return 0
