@@ -124,23 +124,25 @@ def test_rotary_in_place_on_a_qkv_view_is_the_reference_bit_for_bit(dtype, heads
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "num_seqs,heads,kv_heads,window,d",
+    "num_seqs,heads,kv_heads,window,d,bs",
     [
-        (1, 12, 4, 0, 32),
-        (1, 4, 4, 0, 64),
-        (3, 8, 2, 0, 32),
-        (2, 8, 2, 50, 128),
-        (9, 4, 1, 0, 32),
-        (2, 6, 2, 0, 80),  # D not a multiple of every vector width
-        (1, 3, 1, 0, 36),  # a D tail below one vector
+        (1, 12, 4, 0, 32, 8),
+        (1, 4, 4, 0, 64, 8),
+        (3, 8, 2, 0, 32, 8),
+        (2, 8, 2, 50, 128, 8),
+        (9, 4, 1, 0, 32, 8),
+        (2, 6, 2, 0, 80, 8),  # D not a multiple of every vector width
+        (1, 3, 1, 0, 36, 8),  # a D tail below one vector
+        (1, 12, 4, 0, 64, 64),  # whole-block chunks (the bench model's shape)
+        (2, 8, 2, 100, 32, 128),  # chunks that end inside a block, a window
     ],
 )
-def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window, d):
+def test_paged_decode_attention_matches_reference(dtype, num_seqs, heads, kv_heads, window, d, bs):
     """Scattered block tables, lengths that end mid-block and span many chunks, spans split
     across threads (one or two sequences), GQA and MHA, sliding windows, head sizes that fill
-    whole register passes or leave tails."""
+    whole register passes or leave tails, blocks smaller and larger than a chunk."""
     torch.manual_seed(0)
-    nb, bs = 160, 8
+    nb = 160
     kc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
     vc = torch.randn(nb, bs, kv_heads, d, dtype=dtype)
     lens = torch.tensor([1000, 157, 83, 64, 1, 200, 31, 120, 77][:num_seqs])
