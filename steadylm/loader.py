@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from steadylm import platform
 from steadylm.config import ModelConfig
 from steadylm.errors import ModelLoadError
 from steadylm.layers.shard import CheckpointTensor
@@ -134,6 +135,19 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    huge = sum(platform.advise_huge_pages(t) for t in _weight_tensors(model))
+    if huge:
+        logger.info("transparent huge pages advised for %d MiB of weights", huge >> 20)
+
+
+def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor the forward streams: parameters, and the kernels' own (packed) copies."""
+    yield from model.parameters()
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        for t in vars(kernel).values() if kernel is not None else ():
+            if isinstance(t, torch.Tensor):
+                yield t
 
 
 def _check_missing(missing_pairs: set, files: list[str]) -> None:

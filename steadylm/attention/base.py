@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from steadylm import platform
+
 
 @dataclass
 class AttentionGroup:
@@ -90,20 +92,25 @@ class AttentionBackend(ABC):
         pages cost memory only once used."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         if quant_policy == 0:
-            return KVCache(
+            cache = KVCache(
                 k=torch.empty(*shape, head_dim, dtype=dtype, device=device),
                 v=torch.empty(*shape, head_dim, dtype=dtype, device=device),
             )
-        if quant_policy == 4 and head_dim % 2:
-            raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
-        width = head_dim if quant_policy == 8 else head_dim // 2
-        return KVCache(
-            k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-            v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
-            quant_policy=quant_policy,
-            k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-            v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
-        )
+        else:
+            if quant_policy == 4 and head_dim % 2:
+                raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
+            width = head_dim if quant_policy == 8 else head_dim // 2
+            cache = KVCache(
+                k=torch.empty(*shape, width, dtype=torch.uint8, device=device),
+                v=torch.empty(*shape, width, dtype=torch.uint8, device=device),
+                quant_policy=quant_policy,
+                k_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
+                v_scale_zero=torch.empty(*shape, 2, dtype=dtype, device=device),
+            )
+        for t in (cache.k, cache.v, cache.k_scale_zero, cache.v_scale_zero):
+            if t is not None:  # pages fault in as huge pages once used (CPU; a no-op elsewhere)
+                platform.advise_huge_pages(t)
+        return cache
 
     def prepare(self, metadata: AttentionMetadata, cache: KVCache) -> None:
         """Build per-step index tensors once (every layer reuses them) and make the blocks

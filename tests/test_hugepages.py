@@ -1,0 +1,71 @@
+"""Transparent huge pages for the CPU's streamed buffers (platform.advise_huge_pages)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from steadylm import platform
+from steadylm.attention.torch_ref import TorchAttentionBackend
+
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode() -> str | None:
+    """The system's THP mode (the bracketed word), None where there is none."""
+    try:
+        with open(THP_MODE) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
+    reason="needs Linux with transparent huge pages enabled (madvise or always)",
+)
+
+
+def _thp_eligible(addr: int) -> bool:
+    """Whether the kernel may back the mapping holding `addr` with huge pages."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@needs_thp
+def test_the_kv_cache_is_advised_for_huge_pages(monkeypatch):
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "on")
+    cache = TorchAttentionBackend().allocate(2, 256, 16, 4, 64, torch.float32, torch.device("cpu"))
+    for t in (cache.k, cache.v):  # 8 MiB each: whole huge pages around the middle
+        middle = t.data_ptr() + t.numel() * t.element_size() // 2
+        assert _thp_eligible(middle)
+
+
+@needs_thp
+def test_packed_weights_and_plain_tensors_are_advised(monkeypatch):
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "on")
+    dense = torch.empty(3 << 20, dtype=torch.float32)  # 12 MiB
+    got = platform.advise_huge_pages(dense)
+    assert 8 << 20 <= got <= 12 << 20 and got % (2 << 20) == 0
+    assert _thp_eligible(dense.data_ptr() + (6 << 20))
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(2048, 1024))  # 8 MiB
+    assert platform.advise_huge_pages(packed) >= 4 << 20
+
+
+def test_small_tensors_and_the_switch_advise_nothing(monkeypatch):
+    assert platform.advise_huge_pages(torch.empty(1000)) == 0  # no whole 2 MiB page inside
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "off")
+    assert platform.advise_huge_pages(torch.empty(4 << 20)) == 0
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "sometimes")
+    with pytest.raises(Exception, match="STEADYLM_CPU_HUGEPAGES"):
+        platform.advise_huge_pages(torch.empty(4 << 20))
