@@ -5,6 +5,8 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 - `STEADYLM_CPU_HUGEPAGES`: `on` (default) or `off`, see `advise_huge_pages`.
+- `STEADYLM_CPU_DECODE_LAYERS`: `native` (default) or `modules`: a decode step's decoder
+  layers in one native call (`kernels.decode_layers`), or module by module.
 - `STEADYLM_CUDA_KERNELS`: `triton` (default) or `torch`, the small-op kernels on CUDA
   (steadylm/kernels/triton_ops.py: RMSNorm, SiLU-and-multiply, rotary).
 - `STEADYLM_ATTENTION_BACKEND`: `auto` (default: Triton on CUDA where triton imports, else the
@@ -137,6 +139,12 @@ def cpu_allreduce() -> str:
 def cpu_kernels() -> str:
     """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
     return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))
+
+
+def cpu_decode_layers() -> str:
+    """'native': a CPU decode step runs its decoder layers in one native call where the model
+    takes it (models/llama.py); 'modules': layer by layer through the modules."""
+    return _choice("STEADYLM_CPU_DECODE_LAYERS", ("native", "modules"))
 
 
 def cuda_kernels() -> str:

@@ -267,6 +267,16 @@ def native_paged_attention(dtype: torch.dtype, device: torch.device):
     return None if ops is None else ops.paged_attention
 
 
+def native_decode_layers():
+    """The native op running a decode step's Llama decoder layers in one call
+    (cpu_ops.cpp `decode_layers`: the same ops as the modules, in their order), or None
+    without the native kernels or under `STEADYLM_CPU_DECODE_LAYERS=modules`."""
+    if platform.cpu_decode_layers() != "native":
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.decode_layers
+
+
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------
 def packed_linear_max_rows() -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at

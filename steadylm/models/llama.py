@@ -136,10 +136,109 @@ class DecoderModel(nn.Module):
     def forward(self, ids, positions, backend, cache, md):
         x = self.embed_tokens(ids)  # (T, C)
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, for every layer
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, backend, cache, md)
+        plan = self._native_decode(x, cache, md)
+        if plan is not None:
+            x, residual = plan.run(x, rope, cache, md)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope, backend, cache, md)
         return self.norm(x, residual)[0]
+
+    def _native_decode(self, x, cache: KVCache, md: AttentionMetadata) -> NativeDecode | None:
+        """The one-call layer stack for this step, if it is one: decode rows only, over an
+        unquantized cache whose attention the backend gave to the native decode kernel."""
+        if "native_decode" not in self.__dict__:  # decided once, after the weights are packed
+            self.native_decode = NativeDecode.build(self)
+        plan = self.native_decode
+        if (
+            plan is None
+            or len(md.groups) != 1
+            or "native" not in md.groups[0].prepared
+            or md.num_padded_tokens
+            or cache.quant_policy
+            or x.shape[0] > plan.max_rows
+            or x.dtype != cache.k.dtype
+        ):
+            return None
+        return plan
+
+
+class NativeDecode:
+    """Every decoder layer of a decode step in one native call (`kernels.decode_layers`):
+    the ops the modules call, in their order and with their arguments, so the bits are the
+    same, without ~12 Python dispatches a layer (2-3 ms of an 11-17 ms step at batch 1 on a
+    2-vCPU CPU, docs/benchmarks.md). Taken where every layer is Llama's (an optional qkv
+    bias; no q/k norm, no bias after a row-parallel linear), one rank, and every linear has a
+    packed GEMV; `STEADYLM_CPU_DECODE_LAYERS=modules` keeps the module path."""
+
+    def __init__(self, op, layers, eps: float) -> None:
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.op, self.eps, self.scale = op, eps, attn.scale
+        self.heads, self.kv_heads = attn.num_heads, attn.num_kv_heads
+        self.intermediate = mlp.gate_up_proj.out_features // 2
+        self.norm1 = [layer.input_layernorm.weight for layer in layers]
+        self.norm2 = [layer.post_attention_layernorm.weight for layer in layers]
+        linears = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp) for lay in layers]
+        self.qkv = [q.kernel.gemv_address for q, _, _ in linears]
+        self.qkv_bias = [q.kernel.bias for q, _, _ in linears]
+        self.o_proj = [o.kernel.gemv_address for _, o, _ in linears]
+        self.gate_up = [m.gate_up_proj.kernel.gemv_address for _, _, m in linears]
+        self.down = [m.down_proj.kernel.gemv_address for _, _, m in linears]
+        self.max_rows = min(
+            lin.kernel.gemv_max_rows
+            for q, o, m in linears
+            for lin in (q, o, m.gate_up_proj, m.down_proj)
+        )
+
+    @classmethod
+    def build(cls, model: DecoderModel) -> NativeDecode | None:
+        op = kernels.native_decode_layers()
+        layers = list(model.layers)
+        if op is None or parallel.world_size() != 1 or not layers:
+            return None
+        eps = {model.norm.eps}
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or any(
+                getattr(lin.kernel, "gemv_address", None) is None for lin in linears
+            ):
+                return None
+            if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            if mlp.gate_up_proj.kernel.bias is not None or attn.o_proj.kernel.bias is not None:
+                return None
+        return cls(op, layers, eps.pop()) if len(eps) == 1 else None
+
+    def run(self, x, rope, cache: KVCache, md: AttentionMetadata):
+        """(last layer's MLP output, residual stream), as the module loop returns them."""
+        g = md.groups[0]
+        cos, sin = rope
+        return self.op(
+            x,
+            self.norm1,
+            self.norm2,
+            self.qkv,
+            self.qkv_bias,
+            self.o_proj,
+            self.gate_up,
+            self.down,
+            cache.k,
+            cache.v,
+            cos,
+            sin,
+            md.slot_mapping,
+            g.block_tables,
+            g.context_lens,
+            self.heads,
+            self.kv_heads,
+            self.intermediate,
+            self.eps,
+            self.scale,
+            g.prepared["window"],
+        )
 
 
 @register("LlamaForCausalLM")

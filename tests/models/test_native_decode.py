@@ -1,0 +1,82 @@
+"""A decode step's decoder layers in one native call (models/llama.py `NativeDecode`): taken
+where it applies, the same tokens as transformers, the same bits as the module path."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadylm import kernels
+from steadylm.engine.request import SamplingParams
+from tests.conftest import engine_for, hf_greedy, make_hf_model
+
+pytestmark = pytest.mark.skipif(
+    kernels.native_ops() is None or kernels.packed_linear_max_rows() == 0,
+    reason="the native CPU kernels (with the packed GEMV) are not built here",
+)
+
+# Sizes the packed GEMV takes (every linear's output a multiple of 64, its input of 16).
+GEMV_SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 11, 70, 2, 33, 45], [7, 1, 64, 30, 30, 12]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model = make_hf_model(arch, **GEMV_SIZES)
+            path = tmp_path_factory.mktemp(f"{arch}-gemv")
+            model.save_pretrained(path)
+            cache[arch] = (model, str(path))
+        return cache[arch]
+
+    return get
+
+
+def _generate(path: str, monkeypatch, layers: str, **kw):
+    """(requests, calls of the native op) for PROMPTS, greedy with logprobs, batched."""
+    monkeypatch.setenv("STEADYLM_CPU_DECODE_LAYERS", layers)
+    engine = engine_for(path, **kw)
+    model = engine.runner.model.model
+    calls = []
+    real = model._native_decode
+
+    def spy(x, cache, md):
+        plan = real(x, cache, md)
+        calls.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(model, "_native_decode", spy)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=2)
+    return engine.generate(PROMPTS, params), calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_native_layers_match_transformers_and_the_modules_bit_for_bit(arch, dirs, monkeypatch):
+    """qwen2 brings a qkv bias; mistral a 24-token sliding window the outputs run past."""
+    hf, path = dirs(arch)
+    native, calls = _generate(path, monkeypatch, "native")
+    assert sum(calls) >= 29  # every decode step (the prefill steps take the modules)
+    modules, calls_off = _generate(path, monkeypatch, "modules")
+    assert not any(calls_off)
+    for prompt, a, b in zip(PROMPTS, native, modules):
+        assert a.output_token_ids == hf_greedy(hf, prompt, 30)
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == b.output_logprobs  # the same floats, not just close
+
+
+def test_models_or_caches_it_does_not_cover_take_the_modules(dirs, monkeypatch):
+    hf, path = dirs("qwen3")  # q/k norms
+    reqs, calls = _generate(path, monkeypatch, "native")
+    assert calls and not any(calls)
+    assert reqs[0].output_token_ids == hf_greedy(hf, PROMPTS[0], 30)
+    _, path = dirs("llama")
+    _, calls = _generate(path, monkeypatch, "native", quant_policy=8)  # an int8 cache
+    assert calls and not any(calls)
