@@ -148,6 +148,8 @@ class DecoderModel(nn.Module):
     def _native_decode(self, x, cache: KVCache, md: AttentionMetadata) -> NativeDecode | None:
         """The one-call layer stack for this step, if it is one: decode rows only, over an
         unquantized cache whose attention the backend gave to the native decode kernel."""
+        if not x.is_cpu:  # (and a CUDA run never builds the CPU kernels for it)
+            return None
         if "native_decode" not in self.__dict__:  # decided once, after the weights are packed
             self.native_decode = NativeDecode.build(self)
         plan = self.native_decode
