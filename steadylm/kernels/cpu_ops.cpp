@@ -1343,27 +1343,31 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 
 // ---- A decode step's decoder layers in one call -------------------------------------------
 // Llama's layer (Qwen2 / Mistral alike: an optional qkv bias, no q/k norm) for T decode rows
-// over an unquantized paged cache, calling the ops above in the order and with the arguments
+// over the paged cache, calling the ops above in the order and with the arguments
 // the Python modules give them (models/llama.py), so every bit is the same; what goes is the
 // Python between them: ~12 dispatches a layer, 2-3 ms of an 11-17 ms step at batch 1 on a
 // Zen 4 VM, during which the other thread only spins. x: the embedding rows (T, C); the
-// weights are packed_linear addresses; k/v caches (L, blocks, block_size, Hkv, D); cos/sin
-// (T, 1, D). Returns (the last layer's MLP output, the residual stream), as the layer loop.
+// weights are packed_linear addresses; k/v caches (L, blocks, block_size, Hkv, D or codes)
+// with, for bits 8 / 4, their (L, ..., 2) scale_zero and each row's sequence (token_seq);
+// cos/sin (T, 1, D). Returns (the last layer's MLP output, the residual stream), as the loop.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, at::TensorList norm1, at::TensorList norm2, at::IntArrayRef qkv,
     const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::IntArrayRef o_proj,
     at::IntArrayRef gate_up, at::IntArrayRef down, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scale,
-    int64_t window) {
-  const int64_t L = norm1.size(), T = x.size(0), C = x.size(1);
-  const int64_t D = k_cache.size(-1), qkv_n = (heads + 2 * kv_heads) * D;
+    const c10::optional<at::Tensor>& k_scale_zero, const c10::optional<at::Tensor>& v_scale_zero,
+    const c10::optional<at::Tensor>& token_seq, int64_t bits, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, int64_t intermediate, double eps, double scale, int64_t window) {
+  const int64_t L = norm1.size(), T = x.size(0), C = x.size(1), D = head_dim;
+  const int64_t qkv_n = (heads + 2 * kv_heads) * D;
   TORCH_CHECK(norm2.size() == size_t(L) && qkv.size() == size_t(L) &&
                   qkv_bias.size() == size_t(L) && o_proj.size() == size_t(L) &&
                   gate_up.size() == size_t(L) && down.size() == size_t(L) &&
                   k_cache.size(0) == L && v_cache.size(0) == L,
               "decode_layers: one entry per layer in every list and cache");
+  TORCH_CHECK(bits == 0 || (k_scale_zero && v_scale_zero && token_seq),
+              "decode_layers: a quantized cache needs its scale_zero tensors and token_seq");
   at::Tensor h, residual = x, out = x;
   for (int64_t l = 0; l < L; ++l) {
     h = l == 0 ? rms_norm(out, norm1[l], eps) : fused_add_rms_norm(out, residual, norm1[l], eps);
@@ -1371,10 +1375,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                  .view({T, heads + 2 * kv_heads, D});
     rotary_(fused.narrow(1, 0, heads + kv_heads), cos, sin);
     const at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-    store_kv_(kc, c10::nullopt, fused.narrow(1, heads, kv_heads), slots, 0);
-    store_kv_(vc, c10::nullopt, fused.narrow(1, heads + kv_heads, kv_heads), slots, 0);
-    const at::Tensor o = paged_decode_attention(fused.narrow(1, 0, heads), kc, vc, block_tables,
-                                                context_lens, scale, window);
+    c10::optional<at::Tensor> ksz, vsz;
+    if (bits) ksz = k_scale_zero->select(0, l), vsz = v_scale_zero->select(0, l);
+    store_kv_(kc, ksz, fused.narrow(1, heads, kv_heads), slots, bits);
+    store_kv_(vc, vsz, fused.narrow(1, heads + kv_heads, kv_heads), slots, bits);
+    const at::Tensor q = fused.narrow(1, 0, heads);
+    // An int8 / int4 cache: the per-row kernel (each row's context is its length: decode).
+    const at::Tensor o = bits ? paged_attention(q, kc, vc, ksz, vsz, block_tables, *token_seq,
+                                                context_lens, scale, window, bits)
+                              : paged_decode_attention(q, kc, vc, block_tables, context_lens,
+                                                       scale, window);
     const at::Tensor a = packed_linear(o.view({T, heads * D}), o_proj[l], C, c10::nullopt);
     h = fused_add_rms_norm(a, residual, norm2[l], eps);
     out = packed_linear(silu_and_mul(packed_linear(h, gate_up[l], 2 * intermediate, c10::nullopt)),
@@ -1408,10 +1418,12 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
   m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
   m.def(
-      "decode_layers(Tensor(c!) x, Tensor[] norm1, Tensor[] norm2, int[] qkv, Tensor?[] qkv_bias, "
+      "decode_layers(Tensor(e!) x, Tensor[] norm1, Tensor[] norm2, int[] qkv, Tensor?[] qkv_bias, "
       "int[] o_proj, int[] gate_up, int[] down, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, "
-      "int heads, int kv_heads, int intermediate, float eps, float scale, int window) "
+      "Tensor(c!)? k_scale_zero, Tensor(d!)? v_scale_zero, Tensor? token_seq, int bits, "
+      "int heads, int kv_heads, int head_dim, int intermediate, float eps, float scale, "
+      "int window) "
       "-> (Tensor, Tensor)",
       &decode_layers);
 }

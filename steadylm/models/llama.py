@@ -146,21 +146,26 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def _native_decode(self, x, cache: KVCache, md: AttentionMetadata) -> NativeDecode | None:
-        """The one-call layer stack for this step, if it is one: decode rows only, over an
-        unquantized cache whose attention the backend gave to the native decode kernel."""
+        """The one-call layer stack for this step, if it is one: decode rows only, whose
+        attention the backend gave to a native kernel (the decode one, or the per-row one
+        over an int8 / int4 cache)."""
         if not x.is_cpu:  # (and a CUDA run never builds the CPU kernels for it)
             return None
         if "native_decode" not in self.__dict__:  # decided once, after the weights are packed
             self.native_decode = NativeDecode.build(self)
         plan = self.native_decode
+        if plan is None or len(md.groups) != 1 or md.num_padded_tokens:
+            return None
+        g = md.groups[0]
+        # The backend's plan: the decode kernel (unquantized), or the per-row kernel over an
+        # int8 / int4 cache, here for decode rows only.
+        kernel = "rows" if cache.quant_policy else "native"
+        stored = cache.k_scale_zero if cache.quant_policy else cache.k  # in the model dtype
         if (
-            plan is None
-            or len(md.groups) != 1
-            or "native" not in md.groups[0].prepared
-            or md.num_padded_tokens
-            or cache.quant_policy
+            kernel not in g.prepared
+            or g.max_query_len != 1
             or x.shape[0] > plan.max_rows
-            or x.dtype != cache.k.dtype
+            or x.dtype != stored.dtype
         ):
             return None
         return plan
@@ -172,12 +177,13 @@ class NativeDecode:
     same, without ~12 Python dispatches a layer (2-3 ms of an 11-17 ms step at batch 1 on a
     2-vCPU CPU, docs/benchmarks.md). Taken where every layer is Llama's (an optional qkv
     bias; no q/k norm, no bias after a row-parallel linear), one rank, and every linear has a
-    packed GEMV; `STEADYLM_CPU_DECODE_LAYERS=modules` keeps the module path."""
+    packed GEMV, over a plain or int8 / int4 cache; `STEADYLM_CPU_DECODE_LAYERS=modules`
+    keeps the module path."""
 
     def __init__(self, op, layers, eps: float) -> None:
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self.op, self.eps, self.scale = op, eps, attn.scale
-        self.heads, self.kv_heads = attn.num_heads, attn.num_kv_heads
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate = mlp.gate_up_proj.out_features // 2
         self.norm1 = [layer.input_layernorm.weight for layer in layers]
         self.norm2 = [layer.post_attention_layernorm.weight for layer in layers]
@@ -218,6 +224,8 @@ class NativeDecode:
         """(last layer's MLP output, residual stream), as the module loop returns them."""
         g = md.groups[0]
         cos, sin = rope
+        p = g.prepared
+        bits = cache.quant_policy
         return self.op(
             x,
             self.norm1,
@@ -233,13 +241,18 @@ class NativeDecode:
             sin,
             md.slot_mapping,
             g.block_tables,
-            g.context_lens,
+            p["token_ctx"] if bits else g.context_lens,
+            cache.k_scale_zero,
+            cache.v_scale_zero,
+            p["token_seq"] if bits else None,
+            bits,
             self.heads,
             self.kv_heads,
+            self.head_dim,
             self.intermediate,
             self.eps,
             self.scale,
-            g.prepared["window"],
+            p["window"],
         )
 
 

@@ -1,5 +1,6 @@
 """A decode step's decoder layers in one native call (models/llama.py `NativeDecode`): taken
-where it applies, the same tokens as transformers, the same bits as the module path."""
+where it applies (plain and int8 / int4 caches), the same tokens as transformers, the same
+bits as the module path."""
 
 from __future__ import annotations
 
@@ -72,11 +73,19 @@ def test_the_native_layers_match_transformers_and_the_modules_bit_for_bit(arch, 
         assert a.output_logprobs == b.output_logprobs  # the same floats, not just close
 
 
-def test_models_or_caches_it_does_not_cover_take_the_modules(dirs, monkeypatch):
+@pytest.mark.parametrize("quant_policy", [8, 4])
+def test_quantized_caches_take_the_native_layers_too(quant_policy, dirs, monkeypatch):
+    _, path = dirs("qwen2")
+    native, calls = _generate(path, monkeypatch, "native", quant_policy=quant_policy)
+    assert sum(calls) >= 29
+    modules, _ = _generate(path, monkeypatch, "modules", quant_policy=quant_policy)
+    for a, b in zip(native, modules):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == b.output_logprobs
+
+
+def test_a_model_it_does_not_cover_takes_the_modules(dirs, monkeypatch):
     hf, path = dirs("qwen3")  # q/k norms
     reqs, calls = _generate(path, monkeypatch, "native")
     assert calls and not any(calls)
     assert reqs[0].output_token_ids == hf_greedy(hf, PROMPTS[0], 30)
-    _, path = dirs("llama")
-    _, calls = _generate(path, monkeypatch, "native", quant_policy=8)  # an int8 cache
-    assert calls and not any(calls)
