@@ -145,9 +145,8 @@ def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     yield from model.parameters()
     for module in model.modules():
         kernel = getattr(module, "kernel", None)
-        for t in vars(kernel).values() if kernel is not None else ():
-            if isinstance(t, torch.Tensor):
-                yield t
+        if kernel is not None:
+            yield from kernel.tensors()
 
 
 def _check_missing(missing_pairs: set, files: list[str]) -> None:

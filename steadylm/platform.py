@@ -18,6 +18,7 @@ process settings that decide speed there. Environment variables are read here an
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -209,12 +210,20 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     start, end = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
     if end <= start:
         return 0
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end - start if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (None off glibc)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def tune_cpu_allocator() -> bool:
@@ -228,13 +237,13 @@ def tune_cpu_allocator() -> bool:
     global _allocator_tuned
     if _allocator_tuned or _choice("STEADYLM_CPU_MALLOC", ("tuned", "default")) != "tuned":
         return _allocator_tuned
+    libc = _libc()
     try:
-        libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
         libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1  # blocks up to 1 GiB from the heap
         ok = ok and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-    except (OSError, AttributeError):
+    except AttributeError:  # no glibc (None), or a libc without mallopt
         ok = False
     _allocator_tuned = ok
     logger.debug("glibc malloc tuned for large activations: %s", ok)

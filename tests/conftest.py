@@ -51,6 +51,15 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+# Layer sizes the packed CPU GEMV and the AWQ layout take (every linear's output a multiple of
+# 64, its input of 16 and of the AWQ group).
+GEMV_SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 
 
 def make_hf_model(arch: str, seed: int = 0, **overrides):

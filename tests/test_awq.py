@@ -16,17 +16,9 @@ from steadylm.errors import ModelLoadError
 from steadylm.layers.awq import AWQLinear, pack_int4, unpack_int4
 from steadylm.loader import model_weight_bytes
 from steadylm.memory import awq_layout, weight_bytes_from_config
-from tests.conftest import engine_for, hf_greedy, make_hf_model
+from tests.conftest import GEMV_SIZES, engine_for, hf_greedy, make_hf_model
 
-AWQ_SHAPES = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+AWQ_SHAPES = dict(GEMV_SIZES, vocab_size=256, num_hidden_layers=2)
 LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",

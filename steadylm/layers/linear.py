@@ -44,10 +44,12 @@ class LinearKernel:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the kernel holds (its packed weights, scales, bias)."""
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
     def num_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor)
-        )
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class OneDNNDenseKernel(LinearKernel):

@@ -8,21 +8,13 @@ import pytest
 
 from steadylm import kernels
 from steadylm.engine.request import SamplingParams
-from tests.conftest import engine_for, hf_greedy, make_hf_model
+from tests.conftest import GEMV_SIZES, engine_for, hf_greedy, make_hf_model
 
 pytestmark = pytest.mark.skipif(
     kernels.native_ops() is None or kernels.packed_linear_max_rows() == 0,
     reason="the native CPU kernels (with the packed GEMV) are not built here",
 )
 
-# Sizes the packed GEMV takes (every linear's output a multiple of 64, its input of 16).
-GEMV_SIZES = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 11, 70, 2, 33, 45], [7, 1, 64, 30, 30, 12]]
 
 
