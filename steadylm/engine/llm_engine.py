@@ -90,8 +90,13 @@ class LLMEngine:
         self.kv_cache = self.runner.kv_cache
         if device.type == "cpu":
             platform.tune_cpu_allocator()
-            # Built (once per machine) or loaded now, not inside the first request's step.
-            logger.info("CPU kernels: %s", kernels.status())
+            # Built (once per machine) or loaded now, not inside the first request's step; a
+            # bad STEADYLM_CPU_DECODE_LAYERS fails here too.
+            logger.info(
+                "CPU kernels: %s; decode layers: %s",
+                kernels.status(),
+                platform.cpu_decode_layers(),
+            )
         elif device.type == "cuda":  # a bad STEADYLM_CUDA_KERNELS fails here, not in a step
             logger.info("CUDA small-op kernels: %s", platform.cuda_kernels())
         watermark = config.watermark_blocks

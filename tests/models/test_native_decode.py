@@ -81,3 +81,12 @@ def test_a_model_it_does_not_cover_takes_the_modules(dirs, monkeypatch):
     reqs, calls = _generate(path, monkeypatch, "native")
     assert calls and not any(calls)
     assert reqs[0].output_token_ids == hf_greedy(hf, PROMPTS[0], 30)
+
+
+def test_a_bad_switch_value_fails_at_start_up(dirs, monkeypatch):
+    from steadylm.errors import ConfigError
+
+    _, path = dirs("llama")
+    monkeypatch.setenv("STEADYLM_CPU_DECODE_LAYERS", "fused")
+    with pytest.raises(ConfigError, match="STEADYLM_CPU_DECODE_LAYERS"):
+        engine_for(path)
