@@ -53,7 +53,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         help="address to bind (LMDeploy binds 0.0.0.0; steadylm binds loopback unless told)",
     )
     p.add_argument(
-        "--server-port", "--port", dest="server_port", type=int, default=23333, help="port"
+        "--server-port",
+        "--port",
+        dest="server_port",
+        type=int,
+        default=23333,
+        help="port (0: any free one, named in the INFO log); taken before the model loads",
     )
     p.add_argument(
         "--model-name",
