@@ -190,7 +190,10 @@ def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
 def _rows_prepared(g: AttentionGroup, rows, window: int | None) -> dict:
     """A group's plan for the native per-row kernel `rows`: each query row's sequence and
     context length."""
-    seq, ctx = _token_contexts(g)
+    if g.max_query_len == 1:  # decode rows: row i is sequence i, at its context length
+        seq, ctx = torch.arange(len(g.context_lens), device=g.context_lens.device), g.context_lens
+    else:
+        seq, ctx = _token_contexts(g)
     return {"rows": rows, "window": window or 0, "token_seq": seq, "token_ctx": ctx}
 
 
@@ -275,10 +278,11 @@ def _zero_new_blocks(cache: KVCache, md: AttentionMetadata) -> None:
     reads whole blocks, including slots past a sequence's end and padding entries (block 0),
     so a block is zeroed the first time any table names it: masked slots then hold finite
     values, never NaN. Only ever-used blocks are touched."""
-    ids = torch.cat([g.host("block_tables").flatten() for g in md.groups]).unique()
+    ids = torch.cat([g.host("block_tables").flatten() for g in md.groups])
     fresh = ids[~cache.initialized[ids]]  # on the CPU: no sync
     if fresh.numel() == 0:
         return
+    fresh = fresh.unique()
     on_device = fresh.to(cache.k.device)
     for t in (cache.k, cache.v, cache.k_scale_zero, cache.v_scale_zero):
         if t is not None:

@@ -259,7 +259,9 @@ class ModelRunner:
             self._count(timer)
             return {}
         rows = [s + r.num_new_tokens - 1 for r, s in zip(order, starts) if r.samples]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         self.in_collectives = False
         self._count(timer)
         if logits is None:  # a tensor-parallel worker: rank 0 samples
@@ -340,6 +342,12 @@ class ModelRunner:
         return logits
 
     def _prepare(self, order: list[_Row]):
+        """This step's flat input ids, positions (T,) and attention metadata."""
+        if all(r.num_new_tokens == 1 for r in order):
+            return self._prepare_decode([r.req for r in order])
+        return self._prepare_mixed(order)
+
+    def _prepare_mixed(self, order: list[_Row]):
         dev = self.device
         bs = self.block_size
         tokens: list[int] = []
@@ -377,3 +385,31 @@ class ModelRunner:
             )
         md = AttentionMetadata(slot_mapping.to(dev), groups, bs, self.sliding_window)
         return torch.tensor(tokens, device=dev), positions.to(dev), md
+
+    def _prepare_decode(self, reqs: list[RunnerRequest]):
+        """`_prepare` for a step of decode rows only (one new token each), built from Python
+        lists: the same tensors in a third of the small torch ops (~0.15 ms a step on the
+        2-vCPU CPU, where a decode step of the bench model is 7-15 ms)."""
+        dev = self.device
+        bs = self.block_size
+        pos = [r.num_computed_tokens for r in reqs]
+        tokens = [r.all_token_ids[p] for r, p in zip(reqs, pos)]
+        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, pos)]
+        width = max(len(r.block_ids) for r in reqs)
+        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
+        ctx = torch.tensor(pos) + 1
+        q_lens = torch.ones(len(reqs), dtype=torch.long)
+        group = AttentionGroup(
+            token_start=0,
+            token_end=len(reqs),
+            block_tables=tables.to(dev),
+            context_lens=ctx.to(dev),
+            query_lens=q_lens.to(dev),
+            max_query_len=1,
+            max_context_len=max(pos) + 1,
+            host_context_lens=ctx,
+            host_query_lens=q_lens,
+            host_block_tables=tables,
+        )
+        md = AttentionMetadata(torch.tensor(slots, device=dev), [group], bs, self.sliding_window)
+        return torch.tensor(tokens, device=dev), torch.tensor(pos, device=dev), md

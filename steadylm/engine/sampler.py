@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from steadylm import kernels
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.structured import apply_token_bitmask
 
@@ -76,7 +77,7 @@ class Sampler:
         if any(w is not None for w in want):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = _apply_bitmask(logits, raw, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = kernels.argmax(logits)
         if not all(r.params.greedy for r in requests):  # decided on the host: no sync
             greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
             sampled = self._sample(logits, requests)
@@ -145,7 +146,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
             noise[i].exponential_(generator=self._generator_for(r))
-        return (probs / noise).argmax(dim=-1)
+        return kernels.argmax(probs / noise)
 
     def _generator_for(self, r: SamplingRow) -> torch.Generator:
         if r.params.seed is None:

@@ -229,6 +229,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of (S, V) float32 logits: the native op on the CPU (the same
+    answer, ties and NaN included, ~10x faster than torch's CPU argmax), torch elsewhere."""
+    ops = _native_for(x) if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] else None
+    return x.argmax(dim=-1) if ops is None else ops.argmax(x)
+
+
 def native_rotary(x: torch.Tensor):
     """The native in-place rotary op `rotary_(x, cos, sin) -> x` if it takes x (its cos/sin
     layout is the caller's check, `layers.rotary`), else None. Its bits are

@@ -161,6 +161,55 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// ---- Row-wise argmax ----------------------------------------------------------------------
+// x (S, V) float32 -> (S,) int64: torch.argmax(x, -1)'s answer (the first maximum; a NaN
+// counts as the maximum, the first NaN wins) in two vector passes over each row (the maximum,
+// then its first position), where torch's CPU argmax compares element by element at about a
+// tenth of amax's speed (0.22 ms for 16 rows of 32,000 logits on a 2-vCPU Zen 4).
+int64_t argmax_row(const float* x, int64_t n) {
+  Vec mv(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    const Vec v = Vec::loadu(x + i);
+    nan |= v.isnan().zero_mask() != (1 << kVec) - 1;  // some lane is NaN
+    mv = at::vec::maximum(mv, v);
+  }
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                           mv);
+  for (int64_t j = i; j < n; ++j) {
+    nan |= std::isnan(x[j]);
+    if (x[j] > m) m = x[j];
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const Vec target(m);
+  i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    const int not_eq_lanes = (Vec::loadu(x + i) == target).zero_mask();  // bit set: lane != m
+    if (not_eq_lanes != (1 << kVec) - 1) return i + __builtin_ctz(~not_eq_lanes);
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;  // an empty row (not reached: the caller checks V > 0)
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2 &&
+                  x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax: x must be a contiguous, non-empty (S, V) float32 tensor on CPU");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 // ---- Rotary embedding, in place ----------------------------------------------------------
 // x (T, heads, D) with unit stride along D (any row and head stride: a view of the fused qkv
 // output); cos, sin (T, 1, D) alike. x <- x * cos + rotate_half(x) * sin, each product and the
@@ -1400,6 +1449,7 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("argmax(Tensor x) -> Tensor", &argmax);
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &rotary_);
   m.def(
       "store_kv_(Tensor(a!) cache, Tensor(b!)? scale_zero, Tensor x, Tensor slots, int bits) "

@@ -60,9 +60,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scale).to(dtype)[:, None, :]  # (T, 1, D)
-        sin = (emb.sin() * self.scale).to(dtype)[:, None, :]
-        return cos, sin
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # (a product by 1.0 changes no bit: skipped)
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # (T, 1, D)
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ import ast
 import pickle
 from pathlib import Path
 
+import torch
+
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.step import CachedRequestData, NewRequestData, StepContract
 from tests.conftest import engine_for
@@ -69,3 +71,37 @@ def test_contracts_carry_differences_and_round_trip_through_pickle(model_dirs):
     finished = {rid for c in seen for rid in c.finished_ids}
     assert finished <= set(ids)
     assert engine.runner.requests == {}  # every request's runner state was released
+
+
+def test_decode_step_inputs_are_the_general_paths(model_dirs):
+    """A decode-only step's inputs come from `_prepare_decode` (Python lists, fewer torch
+    ops); they must equal what the general `_prepare_mixed` builds for the same rows: ids,
+    positions, slots, block tables (ragged, padded with 0), context and query lengths."""
+    from steadylm.engine.model_runner import _Row
+
+    _, path = model_dirs("llama")
+    engine = engine_for(path, block_size=4)
+    lengths = [3, 9, 4, 14]  # ends inside, at and past block edges
+    for n in lengths:
+        engine.add_request(list(range(5, 5 + n)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for _ in range(3):  # the prompts, then decodes
+        engine.step()
+    runner = engine.runner
+    order = [_Row(req, 1) for req in runner.requests.values()]
+    assert len({len(r.req.block_ids) for r in order}) > 1  # ragged tables
+    fast, general = runner._prepare_decode([r.req for r in order]), runner._prepare_mixed(order)
+    for a, b in zip(fast[:2], general[:2]):
+        assert torch.equal(a, b)
+    md_a, md_b = fast[2], general[2]
+    assert torch.equal(md_a.slot_mapping, md_b.slot_mapping)
+    assert (md_a.block_size, md_a.sliding_window) == (md_b.block_size, md_b.sliding_window)
+    (ga,), (gb,) = md_a.groups, md_b.groups
+    for name in ("block_tables", "context_lens", "query_lens"):
+        assert torch.equal(getattr(ga, name), getattr(gb, name)), name
+        assert torch.equal(ga.host(name), gb.host(name)), name
+    assert (ga.token_start, ga.token_end, ga.max_query_len, ga.max_context_len) == (
+        gb.token_start,
+        gb.token_end,
+        gb.max_query_len,
+        gb.max_context_len,
+    )
