@@ -230,15 +230,18 @@ def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, l
 
 
 @needs_native
-@pytest.mark.parametrize("bits", [0, 4])
-@pytest.mark.parametrize("d", [32, 36])  # the vector passes, the key-by-key path
-def test_paged_attention_row_is_independent_of_its_batch(bits, d):
+@pytest.mark.parametrize("bits", [0, 8, 4])
+# the vector passes (G = 4 heads of 32 and G = 3 of 64: an AVX-512 decode row over a quantized
+# cache then dequantizes in registers, a prefill row through the fp32 buffers), the key-by-key
+# path (36)
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (12, 4, 64), (8, 2, 36)])
+def test_paged_attention_row_is_independent_of_its_batch(bits, heads, kv_heads, d):
     """A row computed alone, in a decode batch, inside a prefill chunk, or with more threads
     gives the same bits: what keeps quantized KV (and so the output) independent of
     scheduling."""
     torch.manual_seed(0)
     q, kv, sz, tables, seq, ctx = _paged_case(
-        torch.float32, bits, 8, 2, [40, 1, 30], [300, 7, 600], d=d
+        torch.float32, bits, heads, kv_heads, [40, 1, 30], [300, 7, 600], d=d
     )
     args = (*kv, *sz)
     tail = (0.17, 0, bits)
