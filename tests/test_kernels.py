@@ -235,13 +235,14 @@ def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, l
 # cache then dequantizes in registers, a prefill row through the fp32 buffers), the key-by-key
 # path (36)
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (12, 4, 64), (8, 2, 36)])
-def test_paged_attention_row_is_independent_of_its_batch(bits, heads, kv_heads, d):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_heads, d):
     """A row computed alone, in a decode batch, inside a prefill chunk, or with more threads
     gives the same bits: what keeps quantized KV (and so the output) independent of
     scheduling."""
     torch.manual_seed(0)
     q, kv, sz, tables, seq, ctx = _paged_case(
-        torch.float32, bits, heads, kv_heads, [40, 1, 30], [300, 7, 600], d=d
+        dtype, bits, heads, kv_heads, [40, 1, 30], [300, 7, 600], d=d
     )
     args = (*kv, *sz)
     tail = (0.17, 0, bits)

@@ -867,22 +867,42 @@ struct KVReader {
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
-// One decode row over a quantized span without the fp32 buffers (an fp32 model, int8 or
-// int4 codes): each key's row is dequantized into registers, to the values KVReader::row
-// writes (code * scale + zero in one multiply-add, as GCC contracts that loop), and goes
+// One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
+// key's row is dequantized into registers, to the values KVReader::row writes (dequant_vec),
+// and goes
 // straight into score_pass's / value_pass's arithmetic in the same order, so the scores,
 // weights and outputs are the buffered path's bit for bit (a test compares them). It saves
 // writing and re-reading 2 x 64 KiB of fp32 rows per (span, KV head) for the one row a decode
 // tile has; a prefill tile's rows share the buffers instead. 16k context, 12 layers, 12 query
 // / 4 KV heads of 64, 2 threads, Zen 4 VM, alternating builds: int8 12.03 -> 10.64 ms, int4
-// 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound).
-template <int NV>
+// 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound); a bf16 model
+// int8 19.53 -> 16.53, int4 22.95 -> 18.61.
+// x rounded to bfloat16 and back, as c10::BFloat16 rounds (to nearest even, NaN to a quiet
+// NaN), lane by lane in integer ops.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(0xFFFF0000u));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000)));
+}
+
+// code * scale + zero as KVReader<T>::row computes it: for an fp32 model one fused
+// multiply-add (GCC contracts that loop), for bf16 the product and the sum each rounded.
+template <typename T>
+inline Vec dequant_vec(__m512 c, __m512 sv, __m512 zv) {
+  if constexpr (std::is_same_v<T, float>) return Vec(_mm512_fmadd_ps(c, sv, zv));
+  else return Vec(round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(c, sv)), zv)));
+}
+
+template <typename T, int NV>
 inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero, Vec* out) {
   const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
   if (bits == 8) {
     for (int i = 0; i < NV; ++i) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
-      out[i] = Vec(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv));
+      out[i] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv);
     }
     return;
   }
@@ -894,16 +914,15 @@ inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero,
     const __m256i a = _mm256_unpacklo_epi16(lo, hi), u = _mm256_unpackhi_epi16(lo, hi);
     const __m256i first = _mm256_permute2x128_si256(a, u, 0x20);   // bytes 0-7, in order
     const __m256i second = _mm256_permute2x128_si256(a, u, 0x31);  // bytes 8-15
-    out[i] = Vec(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(first)), sv, zv));
+    out[i] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(first)), sv, zv);
     if (i + 1 < NV)
-      out[i + 1] =
-          Vec(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(second)), sv, zv));
+      out[i + 1] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(second)), sv, zv);
   }
 }
 
 // score_rows (one KV head, its G <= kAccRegs / NV query heads in one pass) with key t's row
 // from row_of(t) -> (codes, scale, zero).
-template <int NV, typename RowOf>
+template <typename T, int NV, typename RowOf>
 inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, float* part,
                         float* p, int64_t ldp, RowOf&& row_of) {
   Vec qv[kAccRegs / NV > 0 ? kAccRegs / NV : 1][NV];
@@ -914,7 +933,7 @@ inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, flo
     for (int64_t t = t0; t < t1; ++t) {
       const auto [c, sc, z] = row_of(t);
       Vec kv[NV];
-      dequant_row<NV>(c, bits, sc, z, kv);
+      dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), kv);
       for (int64_t j = 0; j < G; ++j) {
         Vec a = qv[j][0] * kv[0];
         for (int i = 1; i < NV; ++i) a = at::vec::fmadd(qv[j][i], kv[i], a);
@@ -931,7 +950,7 @@ inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, flo
 
 // value_rows (one KV head, G heads in one pass, acc starting at zero) with value t's row
 // from row_of(t).
-template <int NV, typename RowOf>
+template <typename T, int NV, typename RowOf>
 inline void value_codes(float* acc, const float* p, int64_t ldp, int64_t n, int64_t G,
                         int64_t bits, RowOf&& row_of) {
   Vec a[kAccRegs / NV > 0 ? kAccRegs / NV : 1][NV];
@@ -940,7 +959,7 @@ inline void value_codes(float* acc, const float* p, int64_t ldp, int64_t n, int6
   for (int64_t t = 0; t < n; ++t) {
     const auto [c, sc, z] = row_of(t);
     Vec vv[NV];
-    dequant_row<NV>(c, bits, sc, z, vv);
+    dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), vv);
     for (int64_t j = 0; j < G; ++j) {
       const Vec w(p[j * ldp + t]);
       for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], a[j][i]);
@@ -973,19 +992,15 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
   int64_t max_span = 0;
   for (int64_t t = 0; t < T_; ++t) max_span = std::max(max_span, (lp[t] - 1) / kSpan + 1);
-  // A decode row's span goes through score_codes / value_codes (AVX-512, fp32 model, a
-  // quantized cache whose rows fill whole vectors, int4 in pairs of them, and G heads that
+  // A decode row's span goes through score_codes / value_codes (AVX-512, a quantized cache whose rows fill whole vectors, int4 in pairs of them, and G heads that
   // fit one register pass). Its bits are the buffered path's, so there is no switch:
   // test_paged_attention_row_is_independent_of_its_batch compares a row alone (this path)
   // with the same row inside a prefill chunk (the buffers).
   bool fused = false;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t nv = D / kVec;
-    fused = kr.bits != 0 && D % kVec == 0 && (kr.bits == 8 || nv % 2 == 0) &&
-            G <= kAccRegs / std::max<int64_t>(nv, 1) &&
-            (nv <= 8 || nv == 10 || nv == 12 || nv == 16);
-  }
+  const int64_t nv = D / kVec;
+  fused = kr.bits != 0 && D % kVec == 0 && (kr.bits == 8 || nv % 2 == 0) &&
+          G <= kAccRegs / std::max<int64_t>(nv, 1) && (nv <= 8 || nv == 10 || nv == 12 || nv == 16);
 #endif
   // Passes over whole tiles bound the partials' memory: (rows x spans) <= kPassRowSpans.
   constexpr int64_t kPassRowSpans = 1024;
@@ -1023,7 +1038,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         auto slot_of = [&](int64_t pos) { return table[pos / bs] * bs + pos % bs; };
         if (t1 - t0 == 1 && fused) {  // one decode row: no fp32 buffers (score_codes above)
 #if defined(CPU_CAPABILITY_AVX512)
-          if constexpr (std::is_same_v<T, float>) {
+          {
             for (int64_t g = 0; g < G; ++g)
               for (int64_t d = 0; d < D; ++d)
                 qf[g * D + d] = to_f(qp[t0 * qs + (hk * G + g) * D + d]) * sc;
@@ -1038,7 +1053,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
             };
             scores_and_values(D, [&](auto nv) {
               constexpr int NV = decltype(nv)::value;
-              score_codes<NV>(qf.data(), n, G, kr.bits, part.data(), pr, kSpan, [&](int64_t t) {
+              score_codes<T, NV>(qf.data(), n, G, kr.bits, part.data(), pr, kSpan, [&](int64_t t) {
                 const int64_t ahead = slot_of(std::min(lo + t + kRowsAhead, seq_end - 1));
                 kr.prefetch(ahead, hk);
                 vr.prefetch(ahead, hk);
@@ -1052,7 +1067,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
             }
             scores_and_values(D, [&](auto nv) {
               constexpr int NV = decltype(nv)::value;
-              value_codes<NV>(acc.data(), pr, kSpan, n, G, vr.bits,
+              value_codes<T, NV>(acc.data(), pr, kSpan, n, G, vr.bits,
                               [&](int64_t t) { return row(vr, slot_of(lo + t)); });
             });
             for (int64_t g = 0; g < G; ++g)
