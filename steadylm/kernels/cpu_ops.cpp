@@ -1036,48 +1036,18 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         if (lo >= hi) continue;
         const int64_t* table = tp + sp[t0] * max_blocks;
         auto slot_of = [&](int64_t pos) { return table[pos / bs] * bs + pos % bs; };
-        if (t1 - t0 == 1 && fused) {  // one decode row: no fp32 buffers (score_codes above)
+        // A decode row (`fused`) takes its keys and values from the codes into the passes
+        // (score_codes / value_codes); every other tile's rows share the fp32 buffers.
+        const bool in_regs = fused && t1 - t0 == 1;
 #if defined(CPU_CAPABILITY_AVX512)
-          {
-            for (int64_t g = 0; g < G; ++g)
-              for (int64_t d = 0; d < D; ++d)
-                qf[g * D + d] = to_f(qp[t0 * qs + (hk * G + g) * D + d]) * sc;
-            const int64_t n = hi - lo;
-            float* pr = p.data() + lo - s_lo;
-            const int64_t at0 = ((t0 - r0) * H + hk * G) * max_span + span;
-            const int64_t width = kr.bits == 8 ? D : D / 2;
-            auto row = [&](const KVReader<T>& rd, int64_t slot) {
-              const int64_t idx = slot * hkv + hk;
-              return std::make_tuple(rd.codes + idx * width, rd.params[idx * 2],
-                                     rd.params[idx * 2 + 1]);
-            };
-            scores_and_values(D, [&](auto nv) {
-              constexpr int NV = decltype(nv)::value;
-              score_codes<T, NV>(qf.data(), n, G, kr.bits, part.data(), pr, kSpan, [&](int64_t t) {
-                const int64_t ahead = slot_of(std::min(lo + t + kRowsAhead, seq_end - 1));
-                kr.prefetch(ahead, hk);
-                vr.prefetch(ahead, hk);
-                return row(kr, slot_of(lo + t));
-              });
-            });
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t i = at0 + g * max_span;
-              pmax[i] = max_of(pr + g * kSpan, n);
-              psum[i] = exp_sum(pr + g * kSpan, n, pmax[i]);
-            }
-            scores_and_values(D, [&](auto nv) {
-              constexpr int NV = decltype(nv)::value;
-              value_codes<T, NV>(acc.data(), pr, kSpan, n, G, vr.bits,
-                              [&](int64_t t) { return row(vr, slot_of(lo + t)); });
-            });
-            for (int64_t g = 0; g < G; ++g)
-              std::memcpy(pacc.data() + (at0 + g * max_span) * D, acc.data() + g * D,
-                          D * sizeof(float));
-          }
+        const int64_t width = kr.bits == 8 ? D : D / 2;
+        auto codes_of = [&](const KVReader<T>& rd, int64_t slot) {
+          const int64_t idx = slot * hkv + hk;
+          return std::make_tuple(rd.codes + idx * width, rd.params[idx * 2],
+                                 rd.params[idx * 2 + 1]);
+        };
 #endif
-          continue;
-        }
-        for (int64_t pos = lo; pos < hi; ++pos) {
+        for (int64_t pos = lo; pos < hi && !in_regs; ++pos) {
           const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
           kr.prefetch(ahead, hk);
           vr.prefetch(ahead, hk);
@@ -1102,8 +1072,20 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           // head g's partials at at0 + g * max_span
           const int64_t at0 = ((t0 + r - r0) * H + hk * G) * max_span + span;
           const bool fast = scores_and_values(D, [&](auto nv) {
-            score_rows<decltype(nv)::value>(qr, k, D, n, 1, G, part.data(), pr, kSpan, nullptr,
-                                            0);
+            constexpr int NV = decltype(nv)::value;
+#if defined(CPU_CAPABILITY_AVX512)
+            if (in_regs) {
+              score_codes<T, NV>(qr, n, G, kr.bits, part.data(), pr, kSpan, [&](int64_t x) {
+                const int64_t pos = ra[r] + x;
+                const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
+                kr.prefetch(ahead, hk);
+                vr.prefetch(ahead, hk);
+                return codes_of(kr, slot_of(pos));
+              });
+              return;
+            }
+#endif
+            score_rows<NV>(qr, k, D, n, 1, G, part.data(), pr, kSpan, nullptr, 0);
           });
           if (!fast)
             for (int64_t g = 0; g < G; ++g)
@@ -1117,7 +1099,16 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           std::fill(acc.begin(), acc.end(), 0.f);
           if (fast) {
             scores_and_values(D, [&](auto nv) {
-              value_rows<decltype(nv)::value>(acc.data(), pr, kSpan, v, D, n, 1, G, nullptr, 0);
+              constexpr int NV = decltype(nv)::value;
+#if defined(CPU_CAPABILITY_AVX512)
+              if (in_regs) {
+                value_codes<T, NV>(acc.data(), pr, kSpan, n, G, vr.bits, [&](int64_t x) {
+                  return codes_of(vr, slot_of(ra[r] + x));
+                });
+                return;
+              }
+#endif
+              value_rows<NV>(acc.data(), pr, kSpan, v, D, n, 1, G, nullptr, 0);
             });
           } else {
             for (int64_t g = 0; g < G; ++g)
