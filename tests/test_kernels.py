@@ -234,18 +234,21 @@ def test_paged_attention_matches_reference(dtype, bits, heads, kv_heads, rows, l
 # the vector passes (G = 4 heads of 32 and G = 3 of 64: an AVX-512 decode row over a quantized
 # cache then dequantizes in registers, a prefill row through the fp32 buffers), the key-by-key
 # path (36)
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (12, 4, 64), (8, 2, 36)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 32), (12, 4, 64), (8, 2, 36)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_heads, d):
-    """A row computed alone, in a decode batch, inside a prefill chunk, or with more threads
-    gives the same bits: what keeps quantized KV (and so the output) independent of
-    scheduling."""
+# a sliding window: each prefill row's keys start one later than the last row's, so a tile's
+# rows share only part of a span (the rest goes row by row)
+@pytest.mark.parametrize("window", [0, 100])
+def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_heads, d, window):
+    """A row computed alone, in a decode batch, inside a prefill chunk (whose rows take the
+    keys they share together), or with more threads gives the same bits: what keeps
+    quantized KV (and so the output) independent of scheduling."""
     torch.manual_seed(0)
     q, kv, sz, tables, seq, ctx = _paged_case(
-        dtype, bits, heads, kv_heads, [40, 1, 30], [300, 7, 600], d=d
+        dtype, bits, heads, kv_heads, [90, 1, 30], [300, 7, 600], d=d
     )
     args = (*kv, *sz)
-    tail = (0.17, 0, bits)
+    tail = (0.17, window, bits)
     batch = ops.paged_attention(q, *args, tables, seq, ctx, *tail)
     threads = torch.get_num_threads()
     for t in range(len(ctx)):

@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -53,6 +54,17 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
+// The register under Vec. Accumulators carried across a loop are held as it: GCC 12 keeps an
+// array of Vec in memory when the loop has other control flow (a prefetch under a condition),
+// so each FMA loads and stores its accumulator and the loop runs at the store port's speed
+// (value_pass: 23 of its 24 FMAs took a stack operand).
+#if defined(CPU_CAPABILITY_AVX512)
+using VReg = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using VReg = __m256;
+#else
+using VReg = Vec;
+#endif
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -448,7 +460,9 @@ inline float exp_sum(float* x, int64_t n, float m) {
 // (a loop of them under a condition, or inside the quantized kernel's dequantisation loop).
 inline void prefetch_l2(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  // A register operand: with a memory one ("m") GCC keeps the accumulators of the loops
+  // around it in sync in memory, a store each per iteration.
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
 #else
   __builtin_prefetch(p, 0, 2);
 #endif
@@ -507,8 +521,10 @@ inline void lane_sums(const float* x, int64_t ld, float* out) {
 // each: 20-25% less time at 2k-16k context on a Zen 4 VM, decode_attention_share.py.)
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kAccRegs = 12;  // vectors of q or output a pass keeps in registers
+constexpr int kRunRegs = 24;  // the same for a run of prefill rows (their keys shared)
 #else
 constexpr int kAccRegs = 6;
+constexpr int kRunRegs = 6;
 #endif
 
 // Each pass also prefetches into L2 its part of the next chunk's rows (`next`, `ahead` >= 1
@@ -547,7 +563,7 @@ inline void score_pass(const float* qf, const float* k, int64_t row, int64_t t0,
 template <int NV, int GB>
 inline void value_pass(float* acc, const float* p, int64_t ldp, const float* v, int64_t row,
                        int64_t n, int64_t h0, const float* next, int64_t ahead) {
-  Vec a[GB][NV];
+  VReg a[GB][NV];
   for (int j = 0; j < GB; ++j)
     for (int i = 0; i < NV; ++i) a[j][i] = Vec::loadu(acc + (h0 + j) * NV * kVec + i * kVec);
   for (int64_t t = 0; t < n; ++t) {
@@ -556,18 +572,18 @@ inline void value_pass(float* acc, const float* p, int64_t ldp, const float* v, 
     prefetch_row_part<NV>(next, t, ahead, row);
     for (int j = 0; j < GB; ++j) {
       const Vec w(p[(h0 + j) * ldp + t]);
-      for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], a[j][i]);
+      for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], Vec(a[j][i]));
     }
   }
   for (int j = 0; j < GB; ++j)
-    for (int i = 0; i < NV; ++i) a[j][i].store(acc + (h0 + j) * NV * kVec + i * kVec);
+    for (int i = 0; i < NV; ++i) Vec(a[j][i]).store(acc + (h0 + j) * NV * kVec + i * kVec);
 }
 
 // Calls f(std::integral_constant<int, gb>{}, h0) over the G query heads of KV head hk in
-// passes of GB = kAccRegs / NV heads (at least 1), the last pass of what is left one by one.
-template <int NV, typename F>
+// passes of GB = Regs / NV heads (at least 1), the last pass of what is left one by one.
+template <int NV, int Regs = kAccRegs, typename F>
 inline void head_passes(int64_t hk, int64_t G, F&& f) {
-  constexpr int GB = std::max(1, kAccRegs / NV);
+  constexpr int GB = std::max(1, Regs / NV);
   int64_t g = 0;
   for (; g + GB <= G; g += GB) f(std::integral_constant<int, GB>{}, hk * G + g);
   for (; g < G; ++g) f(std::integral_constant<int, 1>{}, hk * G + g);
@@ -576,7 +592,7 @@ inline void head_passes(int64_t hk, int64_t G, F&& f) {
 // p[h * ldp + t] = qf_h . k_t for the chunk's rows and every query head: each (row, head)
 // product is left as a vector in `part` ((kVec, H, kVec) floats) and kVec rows' lane sums
 // are taken together.
-template <int NV>
+template <int NV, int Regs = kAccRegs>
 inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, int64_t hkv,
                        int64_t G, float* part, float* p, int64_t ldp, const float* next,
                        int64_t ahead) {
@@ -584,7 +600,7 @@ inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, 
   for (int64_t t0 = 0; t0 < n; t0 += kVec) {
     const int64_t t1 = std::min<int64_t>(t0 + kVec, n);
     for (int64_t hk = 0; hk < hkv; ++hk)
-      head_passes<NV>(hk, G, [&](auto gb, int64_t h0) {
+      head_passes<NV, Regs>(hk, G, [&](auto gb, int64_t h0) {
         score_pass<NV, decltype(gb)::value>(qf, k + hk * NV * kVec, row, t0, t1, H, h0, part,
                                             next ? next + hk * NV * kVec : nullptr, ahead);
       });
@@ -597,11 +613,11 @@ inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, 
 }
 
 // acc_h += sum over the chunk's rows t of p[h * ldp + t] * v_t (KV head h / G's part).
-template <int NV>
+template <int NV, int Regs = kAccRegs>
 inline void value_rows(float* acc, const float* p, int64_t ldp, const float* v, int64_t row,
                        int64_t n, int64_t hkv, int64_t G, const float* next, int64_t ahead) {
   for (int64_t hk = 0; hk < hkv; ++hk)
-    head_passes<NV>(hk, G, [&](auto gb, int64_t h0) {
+    head_passes<NV, Regs>(hk, G, [&](auto gb, int64_t h0) {
       value_pass<NV, decltype(gb)::value>(acc, p, ldp, v + hk * NV * kVec, row, n, h0,
                                           next ? next + hk * NV * kVec : nullptr, ahead);
     });
@@ -800,7 +816,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // what keeps the KV codes written after it identical too (one ulp can move a 4-bit code).
 //
 // Work items are (tile of up to kQTile consecutive rows of one sequence, span, KV head), the
-// KV head fastest: a thread takes a run of spans with all their KV heads, so the heads' rows,
+// KV head fastest: a thread takes a span with all its KV heads, so the heads' rows,
 // which interleave in the same cache blocks, are read one right after another (the KV head
 // slowest read each block four times over the whole step, a quarter of its lines each time:
 // 16k context alone, 12 layers, int8, 2048-block cache: 13.6-21.8 -> 12.5-12.8 ms). The
@@ -812,11 +828,27 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // --quant-policy 8, 16k context, 2 threads, Zen 4 VM: 15.7-16.1 -> 11.1-11.5 ms a step of 12
 // layers with an fp32 model, 24-25 -> 19 ms with a bf16 one; a 512-row prefill chunk at 4k
 // 1.2-1.3x faster.) The engine runs it for quant_policy 8 / 4 (decode and prefill);
-// unquantized caches keep the decode kernel above and SDPA for prefill, 2-5x faster on long
-// prefills than this per-row formulation (attention measured alone, 1 thread).
+// unquantized caches keep the decode kernel above and SDPA for prefill.
+//
+// A prefill tile's rows go through the span together (the `tile_rows` block below): the keys
+// all of them have take passes over several rows' query heads at once, in blocks of kL1Keys
+// keys that stay in L1, the scores with the keys in the vector lanes (score_rows_t, AVX-512)
+// and the values with several rows' outputs in registers; what each row has alone (the
+// causal diagonal, a window's start) goes row by row. Every score and every output is still
+// the same arithmetic in the same order as a decode row's. (A 512-row chunk at 8k context,
+// int8, 2 threads, Intel Xeon with AVX-512: 150 -> 88 ms; at 16k 290-306 -> 182-184 ms; torch's
+// SDPA over the same fp32 K/V takes 162; the first token of a 16k prompt over an int8 cache
+// 72.7 -> 49 s.)
 constexpr int64_t kSpan = 256;
-constexpr int64_t kQTile = 16;
+constexpr int64_t kQTile = 64;
 constexpr int64_t kRowsAhead = 16;  // rows prefetched ahead of their dequantisation
+constexpr int64_t kLdt = kSpan + 16;  // a transposed key buffer's row: a span and one vector
+constexpr int64_t kL1Keys = 64;       // keys whose fp32 rows (16 KiB at head_dim 64) share L1
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kTransposedScores = true;  // score_rows_t
+#else
+constexpr bool kTransposedScores = false;
+#endif
 
 // acc[d] += w * v[d], fused, for every d (a D tail takes the same op on a partial load).
 inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
@@ -852,19 +884,150 @@ struct KVReader {
       return;
     }
     const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
+    // An fp32 model: one fused multiply-add, explicitly (dequant_vec's, bit for bit; left to
+    // GCC's contraction it came out fused in one build and not in another). bf16: the product
+    // rounded, then the sum.
+    auto dq = [&](float c) {
+      if constexpr (std::is_same_v<T, float>) return std::fma(c, scale, zero);
+      else return round_to<T>(round_to<T>(c * scale) + zero);
+    };
     if (bits == 8) {
       const uint8_t* c = codes + idx * d;
-      for (int64_t i = 0; i < d; ++i)
-        out[i] = round_to<T>(round_to<T>(static_cast<float>(c[i]) * scale) + zero);
+      for (int64_t i = 0; i < d; ++i) out[i] = dq(static_cast<float>(c[i]));
     } else {
       const uint8_t* c = codes + idx * (d / 2);
       for (int64_t i = 0; i < d / 2; ++i) {
-        out[2 * i] = round_to<T>(round_to<T>(static_cast<float>(c[i] & 0xF) * scale) + zero);
-        out[2 * i + 1] = round_to<T>(round_to<T>(static_cast<float>(c[i] >> 4) * scale) + zero);
+        out[2 * i] = dq(static_cast<float>(c[i] & 0xF));
+        out[2 * i + 1] = dq(static_cast<float>(c[i] >> 4));
       }
     }
   }
 };
+
+#if defined(CPU_CAPABILITY_AVX512)
+// A prefill tile's scores with the keys in the lanes: the span's fp32 key rows transposed
+// (kt[d * ldt + x]), each query vector's 16 lane partials of score_pass become 16 vectors of
+// 16 keys (partial l: q[l] k[l] + q[l + 16] k[l + 16] + ..., the same multiply and FMAs in
+// the same order), summed in lane_sums' tree ((t0 + t2) + (t1 + t3), t_g = (p_4g + p_4g+2) +
+// (p_4g+1 + p_4g+3)) by plain vector adds: the same bits as score_rows and the decode row's
+// score_codes, without their partial stores and shuffles, and each key row's loads shared by
+// two query vectors.
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+
+// kt[d * ldt + x] = k[x * D + d] for x below n rounded up to 16 (k has those rows).
+inline void transpose_rows(const float* k, int64_t D, int64_t n, float* kt, int64_t ldt) {
+  for (int64_t x0 = 0; x0 < n; x0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(k + x0 * D + d0, D, kt + d0 * ldt + x0, ldt);
+}
+
+// Query vectors m < R (q + m * D, D = NV * 16): their scores against KG groups of 16 keys
+// (kt's lanes from kt + 16 kg), out[m * KG + kg]. Each q element's broadcast serves the KG
+// groups and each key vector the R queries: a load per FMA.
+template <int NV, int R, int KG>
+inline void score_lanes(const float* q, int64_t D, const float* kt, int64_t ldt, __m512* out) {
+  constexpr int N = R * KG;
+  auto partial = [&](int l, __m512* a) __attribute__((always_inline)) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      __m512 k[KG];
+#pragma GCC unroll 16
+      for (int g = 0; g < KG; ++g) k[g] = _mm512_loadu_ps(kt + (l + 16 * i) * ldt + 16 * g);
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m) {
+        const __m512 qb = _mm512_set1_ps(q[m * D + l + 16 * i]);
+#pragma GCC unroll 16
+        for (int g = 0; g < KG; ++g)
+          a[m * KG + g] =
+              i == 0 ? _mm512_mul_ps(qb, k[g]) : _mm512_fmadd_ps(qb, k[g], a[m * KG + g]);
+      }
+    }
+    // With one vector of q a partial is a bare product, which GCC would fuse into the tree's
+    // first add (-ffp-contract=fast): the opaque asm keeps it rounded, as lane_sums has it.
+    if constexpr (NV == 1)
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) asm("" : "+v"(a[j]));
+  };
+  // t = (p_4g + p_4g+2) + (p_4g+1 + p_4g+3); inlined, or the arrays go through memory
+  auto group = [&](int g4, __m512* t) __attribute__((always_inline)) {
+    __m512 x[N], y[N];
+    partial(4 * g4, x);
+    partial(4 * g4 + 2, y);
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) t[j] = _mm512_add_ps(x[j], y[j]);
+    partial(4 * g4 + 1, x);
+    partial(4 * g4 + 3, y);
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) t[j] = _mm512_add_ps(t[j], _mm512_add_ps(x[j], y[j]));
+  };
+  __m512 t[N], u[N];  // (t0 + t2) + (t1 + t3)
+  group(0, t);
+  group(2, u);
+#pragma GCC unroll 16
+  for (int j = 0; j < N; ++j) out[j] = _mm512_add_ps(t[j], u[j]);
+  group(1, t);
+  group(3, u);
+#pragma GCC unroll 16
+  for (int j = 0; j < N; ++j) out[j] = _mm512_add_ps(out[j], _mm512_add_ps(t[j], u[j]));
+}
+
+// p[m * ldp + x] = q_m . key x for the M query vectors and the n keys of kt (from kt's first
+// lane; lanes past n are computed and not stored). Query pairs outside, keys inside: the
+// caller passes a block of keys that stays in L1 (kL1Keys).
+template <int NV>
+inline void score_rows_t(const float* q, int64_t M, const float* kt, int64_t ldt, int64_t n,
+                         float* p, int64_t ldp) {
+  constexpr int64_t D = NV * 16;
+  auto mask_of = [&](int64_t x) {
+    return n - x >= 16 ? __mmask16(0xFFFF)
+                       : static_cast<__mmask16>((1u << std::max<int64_t>(n - x, 0)) - 1);
+  };
+  auto rows = [&](auto r, int64_t m) {
+    constexpr int R = decltype(r)::value;
+    int64_t x0 = 0;
+    for (; x0 + 16 < n; x0 += 32) {  // two key groups (the second may be partial)
+      const __mmask16 m1 = mask_of(x0 + 16);
+      __m512 s[2 * R];
+      score_lanes<NV, R, 2>(q + m * D, D, kt + x0, ldt, s);
+      for (int j = 0; j < R; ++j) {
+        _mm512_storeu_ps(p + (m + j) * ldp + x0, s[2 * j]);
+        _mm512_mask_storeu_ps(p + (m + j) * ldp + x0 + 16, m1, s[2 * j + 1]);
+      }
+    }
+    if (x0 < n) {  // one last group of at most 16 keys
+      const __mmask16 m0 = mask_of(x0);
+      __m512 s[R];
+      score_lanes<NV, R, 1>(q + m * D, D, kt + x0, ldt, s);
+      for (int j = 0; j < R; ++j) _mm512_mask_storeu_ps(p + (m + j) * ldp + x0, m0, s[j]);
+    }
+  };
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) rows(std::integral_constant<int, 2>{}, m);
+  if (m < M) rows(std::integral_constant<int, 1>{}, m);
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 // One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
@@ -922,11 +1085,11 @@ inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero,
 
 // score_rows (one KV head, its G <= kAccRegs / NV query heads in one pass) with key t's row
 // from row_of(t) -> (codes, scale, zero).
-template <typename T, int NV, typename RowOf>
-inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, float* part,
-                        float* p, int64_t ldp, RowOf&& row_of) {
-  Vec qv[kAccRegs / NV > 0 ? kAccRegs / NV : 1][NV];
-  for (int64_t j = 0; j < G; ++j)
+template <typename T, int NV, int G, typename RowOf>
+inline void score_codes(const float* qf, int64_t n, int64_t bits, float* part, float* p,
+                        int64_t ldp, RowOf&& row_of) {
+  Vec qv[G][NV];
+  for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) qv[j][i] = Vec::loadu(qf + j * NV * kVec + i * kVec);
   for (int64_t t0 = 0; t0 < n; t0 += kVec) {
     const int64_t t1 = std::min<int64_t>(t0 + kVec, n);
@@ -934,7 +1097,7 @@ inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, flo
       const auto [c, sc, z] = row_of(t);
       Vec kv[NV];
       dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), kv);
-      for (int64_t j = 0; j < G; ++j) {
+      for (int j = 0; j < G; ++j) {
         Vec a = qv[j][0] * kv[0];
         for (int i = 1; i < NV; ++i) a = at::vec::fmadd(qv[j][i], kv[i], a);
         a.store(part + ((t - t0) * G + j) * kVec);
@@ -950,23 +1113,32 @@ inline void score_codes(const float* qf, int64_t n, int64_t G, int64_t bits, flo
 
 // value_rows (one KV head, G heads in one pass, acc starting at zero) with value t's row
 // from row_of(t).
-template <typename T, int NV, typename RowOf>
-inline void value_codes(float* acc, const float* p, int64_t ldp, int64_t n, int64_t G,
-                        int64_t bits, RowOf&& row_of) {
-  Vec a[kAccRegs / NV > 0 ? kAccRegs / NV : 1][NV];
-  for (int64_t j = 0; j < G; ++j)
+template <typename T, int NV, int G, typename RowOf>
+inline void value_codes(float* acc, const float* p, int64_t ldp, int64_t n, int64_t bits,
+                        RowOf&& row_of) {
+  VReg a[G][NV];
+  for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) a[j][i] = Vec(0.f);
   for (int64_t t = 0; t < n; ++t) {
     const auto [c, sc, z] = row_of(t);
     Vec vv[NV];
     dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), vv);
-    for (int64_t j = 0; j < G; ++j) {
+    for (int j = 0; j < G; ++j) {
       const Vec w(p[j * ldp + t]);
-      for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], a[j][i]);
+      for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], Vec(a[j][i]));
     }
   }
-  for (int64_t j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) a[j][i].store(acc + j * NV * kVec + i * kVec);
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) Vec(a[j][i]).store(acc + j * NV * kVec + i * kVec);
+}
+
+// Calls f(std::integral_constant<int, G>{}) for a G in [1, Max] (none for any other).
+template <int Max, typename F>
+inline void with_heads(int64_t G, F&& f) {
+  if constexpr (Max >= 1) {
+    if (G == Max) f(std::integral_constant<int, Max>{});
+    else with_heads<Max - 1>(G, f);
+  }
 }
 #endif
 
@@ -992,8 +1164,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
   int64_t max_span = 0;
   for (int64_t t = 0; t < T_; ++t) max_span = std::max(max_span, (lp[t] - 1) / kSpan + 1);
-  // A decode row's span goes through score_codes / value_codes (AVX-512, a quantized cache whose rows fill whole vectors, int4 in pairs of them, and G heads that
-  // fit one register pass). Its bits are the buffered path's, so there is no switch:
+  // A decode row's span goes through score_codes / value_codes (AVX-512, a quantized cache
+  // whose rows fill whole vectors, int4 in pairs of them, and G heads that fit one register
+  // pass). Its bits are the buffered path's, so there is no switch:
   // test_paged_attention_row_is_independent_of_its_batch compares a row alone (this path)
   // with the same row inside a prefill chunk (the buffers).
   bool fused = false;
@@ -1006,6 +1179,29 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   constexpr int64_t kPassRowSpans = 1024;
   const int64_t pass_rows = std::max(kQTile, kPassRowSpans / max_span);
   std::vector<float> pmax, psum, pacc;
+  // Each thread's buffers, sized once for the call (not per pass: fresh pages each time).
+  struct Scratch {
+    std::vector<float> kbuf, vbuf, qf, p, acc, accr, part, kt;
+  };
+  // Sized for this call's tiles: decode rows over a quantized cache (`fused`) use none of
+  // the fp32 row buffers, and the per-row buffers hold the largest tile (zeroing 64 rows'
+  // worth for every decode call cost a 16k int4 decode step ~6%).
+  int64_t max_rows = 1;
+  for (int64_t i = 0; i < ntiles; ++i)
+    max_rows = std::max(max_rows, tile_start[i + 1] - tile_start[i]);
+  const bool rows_buffered = !fused || max_rows > 1;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  std::vector<Scratch> scratch(threads);
+  for (Scratch& w : scratch) {
+    w.kbuf.resize(rows_buffered ? kSpan * D : 0);
+    w.vbuf.resize(rows_buffered ? kSpan * D : 0);
+    w.qf.resize(max_rows * G * D);
+    w.p.resize(max_rows * G * kSpan);
+    w.acc.resize(G * D);
+    w.accr.resize(max_rows * G * D);
+    w.part.resize(std::max<int64_t>(G, kRunRegs) * kVec * kVec);
+    w.kt.resize(rows_buffered ? D * kLdt : 0);  // the span's keys transposed (score_rows_t)
+  }
   for (int64_t tile0 = 0; tile0 < ntiles;) {
     int64_t tile1 = tile0 + 1;
     while (tile1 < ntiles && tile_start[tile1 + 1] - tile_start[tile0] <= pass_rows) ++tile1;
@@ -1015,10 +1211,16 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
     pmax.assign(P, -std::numeric_limits<float>::infinity());
     psum.assign(P, 0.f);
     pacc.resize(P * D);  // each entry whose psum is set is written whole; the rest are not read
-    at::parallel_for(0, (tile1 - tile0) * hkv * max_span, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> kbuf(kSpan * D), vbuf(kSpan * D), qf(kQTile * G * D);
-      std::vector<float> p(kQTile * G * kSpan), part(G * kVec * kVec), acc(G * D);
-      for (int64_t item = i0; item < i1; ++item) {
+    // Threads take (tile, span) groups of hkv items as they finish the last (items differ in
+    // cost: a span past a row's keys is skipped, a diagonal span is short).
+    const int64_t groups = (tile1 - tile0) * max_span;
+    std::atomic<int64_t> next_group{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch& w = scratch[at::get_thread_num() % threads];
+      std::vector<float> &kbuf = w.kbuf, &vbuf = w.vbuf, &qf = w.qf, &p = w.p, &acc = w.acc,
+                         &accr = w.accr, &part = w.part, &kt = w.kt;
+      for (int64_t grp; (grp = next_group.fetch_add(1, std::memory_order_relaxed)) < groups;)
+        for (int64_t item = grp * hkv; item < (grp + 1) * hkv; ++item) {
         const int64_t hk = item % hkv, span = (item / hkv) % max_span;
         const int64_t tile = tile0 + item / max_span / hkv;
         const int64_t t0 = tile_start[tile], t1 = tile_start[tile + 1];
@@ -1059,6 +1261,84 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
           for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d)
               qf[((t - t0) * G + g) * D + d] = to_f(qp[t * qs + (hk * G + g) * D + d]) * sc;
+        // tile_rows: a tile of prefill rows. The keys every row has ([cl, ch)) go through
+        // passes over several rows' query heads at once (kRunRegs for the values, all rows
+        // for the transposed scores), so each buffered row is loaded once for them; each
+        // row's own keys before and after them go alone. A key's
+        // score and a value's weight still take the same arithmetic in the same order (a
+        // row's values in key order: before, shared, after), so the bits are the per-row
+        // passes' and the decode row's.
+        if (!in_regs &&
+            scores_and_values(D, [&](auto nv) {
+              constexpr int NV = decltype(nv)::value;
+              const int64_t R = std::max<int64_t>(1, std::max(1, kRunRegs / NV) / G);
+              const int64_t nr = t1 - t0;
+              int64_t cl = s_lo, ch = s_lo + kSpan;
+              for (int64_t r = 0; r < nr; ++r)
+                if (ra[r] < rb[r]) cl = std::max(cl, ra[r]), ch = std::min(ch, rb[r]);
+              if (cl >= ch) cl = ch = s_lo + kSpan;  // nothing shared: each row alone
+              auto pass = [&](bool values, int64_t r, int64_t rows_, int64_t a, int64_t b) {
+                if (b <= a) return;
+                float* pr = p.data() + r * G * kSpan + a - s_lo;
+                if (values)
+                  value_rows<NV, kRunRegs>(accr.data() + r * G * D, pr, kSpan,
+                                           vbuf.data() + (a - lo) * D, D, b - a, 1, rows_ * G,
+                                           nullptr, 0);
+                else
+#if defined(CPU_CAPABILITY_AVX512)
+                  score_rows_t<NV>(qf.data() + r * G * D, rows_ * G, kt.data() + (a - lo), kLdt,
+                                   b - a, pr, kSpan);
+#else
+                  score_rows<NV, kRunRegs>(qf.data() + r * G * D, kbuf.data() + (a - lo) * D, D,
+                                           b - a, 1, rows_ * G, part.data(), pr, kSpan, nullptr,
+                                           0);
+#endif
+              };
+              auto phases = [&](bool values) {
+                for (int64_t r = 0; r < nr; ++r)
+                  if (ra[r] < rb[r]) pass(values, r, 1, ra[r], std::min(rb[r], cl));
+                // The shared keys in blocks that stay in L1 while runs of rows take them (the
+                // transposed scores take every row at once: no registers to bound them).
+                const int64_t cap = values || !kTransposedScores ? R : nr;
+                for (int64_t k0 = cl; k0 < ch; k0 += kL1Keys)
+                  for (int64_t r = 0; r < nr;) {  // runs of rows with keys here
+                    if (ra[r] >= rb[r]) {
+                      ++r;
+                      continue;
+                    }
+                    int64_t e = r + 1;
+                    while (e < nr && e - r < cap && ra[e] < rb[e]) ++e;
+                    pass(values, r, e - r, k0, std::min(ch, k0 + kL1Keys));
+                    r = e;
+                  }
+                for (int64_t r = 0; r < nr; ++r)
+                  if (ra[r] < rb[r]) pass(values, r, 1, std::max(ra[r], ch), rb[r]);
+              };
+#if defined(CPU_CAPABILITY_AVX512)
+              transpose_rows(kbuf.data(), D, hi - lo, kt.data(), kLdt);
+#endif
+              phases(false);
+              for (int64_t r = 0; r < nr; ++r) {
+                if (ra[r] >= rb[r]) continue;
+                const int64_t at0 = ((t0 + r - r0) * H + hk * G) * max_span + span;
+                for (int64_t g = 0; g < G; ++g) {
+                  float* pg = p.data() + (r * G + g) * kSpan + ra[r] - s_lo;
+                  const int64_t i = at0 + g * max_span;
+                  pmax[i] = max_of(pg, rb[r] - ra[r]);
+                  psum[i] = exp_sum(pg, rb[r] - ra[r], pmax[i]);
+                }
+              }
+              std::fill(accr.begin(), accr.begin() + nr * G * D, 0.f);
+              phases(true);
+              for (int64_t r = 0; r < nr; ++r) {
+                if (ra[r] >= rb[r]) continue;
+                const int64_t at0 = ((t0 + r - r0) * H + hk * G) * max_span + span;
+                for (int64_t g = 0; g < G; ++g)
+                  std::memcpy(pacc.data() + (at0 + g * max_span) * D,
+                              accr.data() + (r * G + g) * D, D * sizeof(float));
+              }
+            }))
+          continue;
         // Per row, its G heads take the decode kernel's passes over the span's fp32 rows
         // (one KV head, rows D apart): a key's score and a value's weight cost the same
         // arithmetic whatever rows, keys or heads surround them.
@@ -1075,12 +1355,15 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
             constexpr int NV = decltype(nv)::value;
 #if defined(CPU_CAPABILITY_AVX512)
             if (in_regs) {
-              score_codes<T, NV>(qr, n, G, kr.bits, part.data(), pr, kSpan, [&](int64_t x) {
-                const int64_t pos = ra[r] + x;
-                const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
-                kr.prefetch(ahead, hk);
-                vr.prefetch(ahead, hk);
-                return codes_of(kr, slot_of(pos));
+              with_heads<std::max(1, kAccRegs / NV)>(G, [&](auto g) {
+                score_codes<T, NV, decltype(g)::value>(
+                    qr, n, kr.bits, part.data(), pr, kSpan, [&](int64_t x) {
+                      const int64_t pos = ra[r] + x;
+                      const int64_t ahead = slot_of(std::min(pos + kRowsAhead, seq_end - 1));
+                      kr.prefetch(ahead, hk);
+                      vr.prefetch(ahead, hk);
+                      return codes_of(kr, slot_of(pos));
+                    });
               });
               return;
             }
@@ -1102,8 +1385,10 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
               constexpr int NV = decltype(nv)::value;
 #if defined(CPU_CAPABILITY_AVX512)
               if (in_regs) {
-                value_codes<T, NV>(acc.data(), pr, kSpan, n, G, vr.bits, [&](int64_t x) {
-                  return codes_of(vr, slot_of(ra[r] + x));
+                with_heads<std::max(1, kAccRegs / NV)>(G, [&](auto g) {
+                  value_codes<T, NV, decltype(g)::value>(
+                      acc.data(), pr, kSpan, n, vr.bits,
+                      [&](int64_t x) { return codes_of(vr, slot_of(ra[r] + x)); });
                 });
                 return;
               }
