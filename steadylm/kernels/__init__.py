@@ -286,12 +286,36 @@ def native_decode_layers():
 
 
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------
-def packed_linear_max_rows() -> int:
+LAYOUT32 = 1  # cpu_ops.cpp kLayout32: the low bit of a weight address
+
+
+def tag_layout32(address: int) -> int:
+    """The address `packed_linear` takes for bf16 weights in 32-column blocks (N / 32, K / 2,
+    32, 2), oneDNN's layout where it runs AMX: the buffer's own address (64-byte aligned)
+    with its low bit set."""
+    if address % 64:
+        raise ValueError(f"packed weight at {address:#x} is not 64-byte aligned")
+    return address | LAYOUT32
+
+
+LAYOUT32_MAX_ROWS = 2
+
+
+def packed_linear_max_rows(address: int | None = None) -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
     least as fast (64 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
-    the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there."""
+    the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there.
+
+    For a weight at a tagged address (bf16 in 32-column blocks: oneDNN runs AMX there) it is
+    LAYOUT32_MAX_ROWS: AMX's matmul costs the same from 1 to 16 rows while the GEMV's
+    dot-products grow with them (a decode step's 49 bf16 linears, 2 threads of an Intel Xeon
+    with AMX: GEMV / oneDNN 8.4 / 10.4 ms at 1 row, 9.8 / 10.3 at 2, 10.8 / 10.3 at 3,
+    17.5 / 11.3 at 16)."""
     ops = native_ops()
-    return 0 if ops is None else int(ops.packed_linear_max_rows())
+    if ops is None:
+        return 0
+    rows = int(ops.packed_linear_max_rows())
+    return min(rows, LAYOUT32_MAX_ROWS) if address is not None and address & LAYOUT32 else rows
 
 
 def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
@@ -306,7 +330,8 @@ def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch
 
 def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     """The address of `packed` (oneDNN's reorder of `weight`, (N, K)) if its buffer holds
-    exactly the layout `packed_linear` reads, else None (oneDNN's matmul serves every batch).
+    exactly a layout `packed_linear` reads (bf16 in 32-column blocks: tagged, see
+    `tag_layout32`), else None (oneDNN's matmul serves every batch).
 
     oneDNN picks its blocked layout per ISA, shape and version, so it is not assumed: the
     whole buffer is compared bit for bit with the layout built from `weight`, once per layer
@@ -330,11 +355,12 @@ def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | N
     bits = weight.view(torch.int32 if dt == torch.float32 else torch.int16)
     if dt == torch.float32:  # (N / 64, K, 64)
         expect = bits.view(n // 64, 64, k).transpose(1, 2)
-        got = raw.view(n // 64, k, 64)
-    else:  # (N / 64, K / 2, 64, 2)
-        expect = bits.view(n // 64, 64, k // 2, 2).transpose(1, 2)
-        got = raw.view(n // 64, k // 2, 64, 2)
-    return addr if torch.equal(got, expect) else None
+        return addr if torch.equal(raw.view(n // 64, k, 64), expect) else None
+    for cols in (64, 32):  # (N / cols, K / 2, cols, 2): 32 where oneDNN runs AMX
+        expect = bits.view(n // cols, cols, k // 2, 2).transpose(1, 2)
+        if torch.equal(raw.view(n // cols, k // 2, cols, 2), expect):
+            return addr if cols == 64 else tag_layout32(addr)
+    return None
 
 
 def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1495,6 +1495,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // Layouts read here, with N a multiple of 64:
 //   fp32: (N / 64, K, 64)          w[n, k] at ((n / 64) * K + k) * 64 + n % 64
 //   bf16: (N / 64, K / 2, 64, 2)   w[n, k] at (((n / 64) * K + k - k % 2) * 64 + n % 64 * 2 + k % 2)
+//   bf16 where oneDNN runs AMX (Intel Xeon 4th gen on): (N / 32, K / 2, 32, 2), blocks of 32
+//         columns. A task still takes 64 columns, as two streams of 32 (Tile::half: the second
+//         32 columns' offset); its address comes tagged (kLayout32, the low bit).
 // One 64-row block per task: its K * 64 weights are one sequential stream, and every x value
 // is broadcast against 64 outputs (4 AVX-512 accumulators per batch row; AVX2 below). oneDNN
 // packs fp32 weights in the same (N / 64, K, 64) blocks on AVX2 as on AVX-512 (checked per
@@ -1517,7 +1520,14 @@ struct Tile {
   int64_t n, k, col, i0, i1;
   float* part;
   const char* pf;  // Fetch > 0: the lines this tile prefetches, Fetch of them per K step
+  // bf16 only: elements a K step takes in a block's stream (64 x 2 / 2: 64; 32-column blocks:
+  // 32) and where columns 32-63 start from columns 0-31 (64; 32-column blocks: 32 * K);
+  // the next chunk's lines past pf_split are at pf_b (32-column blocks: the second stream).
+  int64_t step = 64, half = 64;
+  const char* pf_b = nullptr;
+  int64_t pf_split = std::numeric_limits<int64_t>::max();
 };
+constexpr int64_t kLayout32 = 1;  // tags a weight address whose bf16 blocks are 32 columns
 
 // A tile's software prefetch into L2 (the Fetch template argument): kAhead, kPrefetch elements
 // ahead of its own weights (a block's only tile, which streams them from memory once); n > 0,
@@ -1596,17 +1606,25 @@ __attribute__((noinline)) void gemv_tile(const Tile<c10::BFloat16>& a) {
   const int64_t k = a.k, i0 = a.i0, i1 = a.i1;
   __m512 acc[M][4];
   start_acc<M>(acc, i0 == 0 ? nullptr : a.part);
+  const int64_t step = a.step, half = a.half;
   for (int64_t i = i0; i < i1; i += 2) {
-    const c10::BFloat16* wr = wb + i * kPackBlock;
+    const c10::BFloat16* wr = wb + i * step;  // columns 0-31; 32-63 at wr + half
     if constexpr (Fetch == kAhead) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch), kPrefetchHint);
-      _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * kPrefetch + 64), kPrefetchHint);
+      // the same distance ahead in K steps for either layout: 2 lines of a 64-column step's
+      // 4, or 1 of each 32-column stream's 2
+      const int64_t ahead = 2 * kPrefetch * step / kPackBlock;
+      const int64_t second = half == kPackBlock ? 64 : half;  // the next line, or stream
+      _mm_prefetch(reinterpret_cast<const char*>(wr + ahead), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + ahead + second), kPrefetchHint);
     }
-    for (int l = 0; l < Fetch; ++l)
-      _mm_prefetch(pf + ((i - i0) / 2 * Fetch + l) * 64, kPrefetchHint);
+    for (int l = 0; l < Fetch; ++l) {
+      const int64_t line = (i - i0) / 2 * Fetch + l;
+      _mm_prefetch(line < a.pf_split ? pf + line * 64 : a.pf_b + (line - a.pf_split) * 64,
+                   kPrefetchHint);
+    }
     __m512 wv[4];
     for (int v = 0; v < 4; ++v) {
-      wv[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(wr + 32 * v));
+      wv[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(wr + 32 * (v % 2) + half * (v / 2)));
       asm("" : "+v"(wv[v]));  // as in the fp32 tile: one load per weight vector, not per row
     }
     for (int m = 0; m < M; ++m) {
@@ -1724,7 +1742,8 @@ inline std::pair<int, int64_t> next_chunk_share(int64_t tiles, int64_t t, int64_
 }
 
 template <typename T>
-void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
+                 bool cols32) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
   const bool chunked = kChunkedTiles && tiles > 1;
   const int64_t kc = chunked ? kChunkBytes / (kPackBlock * int64_t(sizeof(T))) : k;
@@ -1744,9 +1763,18 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
                                   : std::pair<int, int64_t>{!chunked && t == 0 ? kAhead : 0, 0};
           const int fetch = share.first;
           const int64_t line = share.second;
-          const Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
-                          b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
-                          pf + line * 64};
+          Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
+                    b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
+                    pf + line * 64};
+          if (cols32) {  // two streams of 32 columns; the next chunk's lines in both
+            const int64_t nb = i1 < k ? b : b + 1, ni = i1 < k ? i1 : 0;
+            const T* next_a = w + nb * k * kPackBlock + ni * 32;
+            a.step = 32;
+            a.half = 32 * k;
+            a.pf = reinterpret_cast<const char*>(next_a) + line * 64;
+            a.pf_b = reinterpret_cast<const char*>(next_a + 32 * k);
+            a.pf_split = 2 * steps - line;
+          }
           by_rows(rows, [&](auto r) {
             constexpr int R = decltype(r)::value;
             if (fetch == kAhead) gemv_tile<R, kAhead>(a);
@@ -1767,8 +1795,9 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
 template <typename T>
 at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bias, at::Tensor y,
                       int64_t n) {
-  packed_gemm<T>(x.data_ptr<T>(), reinterpret_cast<const T*>(weight),
-                 bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), x.size(0), n, x.size(1));
+  packed_gemm<T>(x.data_ptr<T>(), reinterpret_cast<const T*>(weight & ~kLayout32),
+                 bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), x.size(0), n, x.size(1),
+                 (weight & kLayout32) != 0);
   return y;
 }
 #endif
@@ -1808,6 +1837,8 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
   if (has_bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type(),
                 "packed_linear: bias must be a contiguous (N,) tensor of x's dtype");
+  TORCH_CHECK(!(weight & kLayout32) || x.scalar_type() == at::kBFloat16,
+              "packed_linear: 32-column blocks are a bf16 layout");
   auto y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__) || defined(__AVX2__)
   const at::Tensor* b = has_bias ? &*bias : nullptr;

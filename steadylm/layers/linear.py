@@ -63,7 +63,9 @@ class OneDNNDenseKernel(LinearKernel):
         self.out_features, self.in_features = weight.shape
         # Where the small-batch GEMV can read self.weight in place (None: oneDNN only).
         self.gemv_address = kernels.packed_linear_address(weight, self.weight)
-        self.gemv_max_rows = 0 if self.gemv_address is None else kernels.packed_linear_max_rows()
+        self.gemv_max_rows = (
+            0 if self.gemv_address is None else kernels.packed_linear_max_rows(self.gemv_address)
+        )
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:

@@ -105,7 +105,8 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     b = torch.randn(n, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
     assert kernel.apply(torch.empty(0, k, dtype=dtype)).shape == (0, n)  # no rows: oneDNN
-    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows() >= 4
+    # 64 with AVX-512, 4 with AVX2; 2 for bf16 in 32-column blocks (AMX's matmul wins above)
+    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address) >= 2
     for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
         x = torch.randn(m, k, dtype=dtype)
         got = kernel.apply(x)
@@ -122,6 +123,32 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
         if m <= kernel.gemv_max_rows:  # a row's bits do not depend on the rows beside it
             alone = torch.cat([kernel.apply(x[i : i + 1]) for i in range(m)])
             assert torch.equal(got, alone), m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(1280, 768), (192, 2016)])
+def test_packed_gemv_reads_bf16_in_64_and_32_column_blocks(bias, n, k):
+    """oneDNN packs bf16 weights in 64-column blocks with AVX512-BF16 and in 32-column blocks
+    where it runs AMX; the GEMV reads both (the second from a tagged address), with the same
+    bits, at every batch it takes. Built here by hand, so any AVX512-BF16 machine runs both."""
+    ops = kernels.native_ops()
+    if ops is None or "bf16" not in ops.packed_linear_layouts().split(","):
+        pytest.skip(f"no bf16 GEMV in this build (native kernels: {kernels.status()})")
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    bits = w.view(torch.int16)
+    by64 = bits.view(n // 64, 64, k // 2, 2).transpose(1, 2).contiguous()
+    by32 = bits.view(n // 32, 32, k // 2, 2).transpose(1, 2).contiguous()
+    for m in (1, 2, 5, 16, 17, kernels.packed_linear_max_rows()):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        y64 = ops.packed_linear(x, by64.data_ptr(), n, b)
+        y32 = ops.packed_linear(x, kernels.tag_layout32(by32.data_ptr()), n, b)
+        assert torch.equal(y32, y64), m
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(y32.double(), ref, rtol=0.02, atol=0.5)
+    with pytest.raises(RuntimeError, match="bf16 layout"):
+        ops.packed_linear(x.float(), kernels.tag_layout32(by32.data_ptr()), n, None)
 
 
 @needs_onednn
