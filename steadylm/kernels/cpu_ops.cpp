@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -1861,6 +1862,31 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 // weights are packed_linear addresses; k/v caches (L, blocks, block_size, Hkv, D or codes)
 // with, for bits 8 / 4, their (L, ..., 2) scale_zero and each row's sequence (token_seq);
 // cos/sin (T, 1, D). Returns (the last layer's MLP output, the residual stream), as the loop.
+// oneDNN's matmul on its packed weight w, as layers/linear.py calls it (the rows padded to
+// row_bucket's count: one primitive per bucket, not per row count). decode_layers runs it
+// above gemv_rows where oneDNN's packing is one the GEMV should leave to it (bf16 in AMX's
+// 32-column blocks: its matmul costs the same from 1 to 16 rows, the GEMV's grows).
+int64_t row_bucket(int64_t rows) {
+  if (rows <= 16) return rows;
+  int64_t bits = 0;
+  for (int64_t r = rows; r; r >>= 1) ++bits;
+  const int64_t step = int64_t(1) << (bits - 4);
+  return (rows + step - 1) / step * step;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), padded = row_bucket(rows);
+  at::Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
+  std::vector<c10::IValue> stack{in, w, bias, std::string("none"),
+                                 c10::List<c10::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  const at::Tensor y = stack[0].toTensor();
+  return padded == rows ? y : y.narrow(0, 0, rows);
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, at::TensorList norm1, at::TensorList norm2, at::IntArrayRef qkv,
     const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::IntArrayRef o_proj,
@@ -1869,8 +1895,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
     const c10::optional<at::Tensor>& k_scale_zero, const c10::optional<at::Tensor>& v_scale_zero,
     const c10::optional<at::Tensor>& token_seq, int64_t bits, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, int64_t intermediate, double eps, double scale, int64_t window) {
+    int64_t head_dim, int64_t intermediate, double eps, double scale, int64_t window,
+    at::TensorList onednn, int64_t gemv_rows) {
   const int64_t L = norm1.size(), T = x.size(0), C = x.size(1), D = head_dim;
+  TORCH_CHECK(onednn.empty() || onednn.size() == size_t(4 * L),
+              "decode_layers: onednn holds 4 packed weights a layer (qkv, o, gate_up, down)");
+  // Linear j (0-3) of layer l: the GEMV, or oneDNN's matmul above gemv_rows rows.
+  auto linear = [&](const at::Tensor& in, int64_t l, int j, int64_t address, int64_t n,
+                    const c10::optional<at::Tensor>& b) {
+    if (onednn.empty() || T <= gemv_rows) return packed_linear(in, address, n, b);
+    return onednn_linear(in, onednn[4 * l + j], b);
+  };
   const int64_t qkv_n = (heads + 2 * kv_heads) * D;
   TORCH_CHECK(norm2.size() == size_t(L) && qkv.size() == size_t(L) &&
                   qkv_bias.size() == size_t(L) && o_proj.size() == size_t(L) &&
@@ -1882,8 +1917,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   at::Tensor h, residual = x, out = x;
   for (int64_t l = 0; l < L; ++l) {
     h = l == 0 ? rms_norm(out, norm1[l], eps) : fused_add_rms_norm(out, residual, norm1[l], eps);
-    const at::Tensor fused = packed_linear(h, qkv[l], qkv_n, qkv_bias.get(l))
-                                 .view({T, heads + 2 * kv_heads, D});
+    const at::Tensor fused =
+        linear(h, l, 0, qkv[l], qkv_n, qkv_bias.get(l)).view({T, heads + 2 * kv_heads, D});
     rotary_(fused.narrow(1, 0, heads + kv_heads), cos, sin);
     const at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
     c10::optional<at::Tensor> ksz, vsz;
@@ -1896,10 +1931,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                                 context_lens, scale, window, bits)
                               : paged_decode_attention(q, kc, vc, block_tables, context_lens,
                                                        scale, window);
-    const at::Tensor a = packed_linear(o.view({T, heads * D}), o_proj[l], C, c10::nullopt);
+    const at::Tensor a = linear(o.view({T, heads * D}), l, 1, o_proj[l], C, c10::nullopt);
     h = fused_add_rms_norm(a, residual, norm2[l], eps);
-    out = packed_linear(silu_and_mul(packed_linear(h, gate_up[l], 2 * intermediate, c10::nullopt)),
-                        down[l], C, c10::nullopt);
+    out = linear(silu_and_mul(linear(h, l, 2, gate_up[l], 2 * intermediate, c10::nullopt)), l, 3,
+                 down[l], C, c10::nullopt);
   }
   return {out, residual};
 }
@@ -1935,7 +1970,7 @@ TORCH_LIBRARY(steadylm_cpu, m) {
       "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, "
       "Tensor(c!)? k_scale_zero, Tensor(d!)? v_scale_zero, Tensor? token_seq, int bits, "
       "int heads, int kv_heads, int head_dim, int intermediate, float eps, float scale, "
-      "int window) "
+      "int window, Tensor[] onednn, int gemv_rows) "
       "-> (Tensor, Tensor)",
       &decode_layers);
 }

@@ -193,11 +193,17 @@ class NativeDecode:
         self.o_proj = [o.kernel.gemv_address for _, o, _ in linears]
         self.gate_up = [m.gate_up_proj.kernel.gemv_address for _, _, m in linears]
         self.down = [m.down_proj.kernel.gemv_address for _, _, m in linears]
-        self.max_rows = min(
-            lin.kernel.gemv_max_rows
-            for q, o, m in linears
-            for lin in (q, o, m.gate_up_proj, m.down_proj)
-        )
+        kernels_ = [
+            lin.kernel for q, o, m in linears for lin in (q, o, m.gate_up_proj, m.down_proj)
+        ]
+        self.gemv_rows = min(k.gemv_max_rows for k in kernels_)
+        full = kernels.packed_linear_max_rows()
+        if self.gemv_rows < full:  # bf16 in AMX's layout: oneDNN's matmul above gemv_rows
+            self.onednn = [k.weight for k in kernels_]
+            self.max_rows = full
+        else:
+            self.onednn = []
+            self.max_rows = self.gemv_rows
 
     @classmethod
     def build(cls, model: DecoderModel) -> NativeDecode | None:
@@ -253,6 +259,8 @@ class NativeDecode:
             self.eps,
             self.scale,
             p["window"],
+            self.onednn,
+            self.gemv_rows,
         )
 
 

@@ -5,6 +5,7 @@ bits as the module path."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from steadylm import kernels
 from steadylm.engine.request import SamplingParams
@@ -72,6 +73,46 @@ def test_quantized_caches_take_the_native_layers_too(quant_policy, dirs, monkeyp
     assert sum(calls) >= 29
     modules, _ = _generate(path, monkeypatch, "modules", quant_policy=quant_policy)
     for a, b in zip(native, modules):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == b.output_logprobs
+
+
+def test_the_native_layers_leave_larger_batches_to_onednn_where_the_gemv_does(dirs, monkeypatch):
+    """Where the GEMV takes fewer rows than the native call (bf16 in AMX's 32-column layout:
+    2), the call runs oneDNN's matmul on the packed weights for larger batches. Forced here in
+    fp32 on any machine (the GEMV off for every linear): the same tokens as transformers and
+    the same bits as the modules, which then run oneDNN's matmul too."""
+
+    def run(layers: str):
+        monkeypatch.setenv("STEADYLM_CPU_DECODE_LAYERS", layers)
+        engine = engine_for(path)
+        model = engine.runner.model.model
+        for module in model.modules():
+            if getattr(getattr(module, "kernel", None), "gemv_max_rows", 0):
+                module.kernel.gemv_max_rows = 0
+        calls = []
+        real = model._native_decode
+
+        def spy(*args):
+            plan = real(*args)
+            if plan is not None:  # the GEMV's addresses made to read zeros: it must not run
+                zeros = [poison.data_ptr()] * len(plan.qkv)
+                plan.qkv, plan.o_proj, plan.gate_up, plan.down = zeros, zeros, zeros, zeros
+            calls.append(plan)
+            return plan
+
+        monkeypatch.setattr(model, "_native_decode", spy)
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=2)
+        return engine.generate(PROMPTS, params), calls
+
+    poison = torch.zeros(1 << 20)
+    hf, path = dirs("qwen2")
+    native, calls = run("native")
+    plans = [c for c in calls if c is not None]
+    assert len(plans) >= 29 and plans[0].onednn and plans[0].gemv_rows == 0
+    modules, _ = run("modules")
+    for prompt, a, b in zip(PROMPTS, native, modules):
+        assert a.output_token_ids == hf_greedy(hf, prompt, 30)
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == b.output_logprobs
 
