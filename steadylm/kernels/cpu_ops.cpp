@@ -837,9 +837,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // and the values with several rows' outputs in registers; what each row has alone (the
 // causal diagonal, a window's start) goes row by row. Every score and every output is still
 // the same arithmetic in the same order as a decode row's. (A 512-row chunk at 8k context,
-// int8, 2 threads, Intel Xeon with AVX-512: 150 -> 88 ms; at 16k 290-306 -> 182-184 ms; torch's
-// SDPA over the same fp32 K/V takes 162; the first token of a 16k prompt over an int8 cache
-// 72.7 -> 49 s.)
+// int8, 2 threads, Intel Xeon with AVX-512: 142-144 -> 84 ms; at 16k 299-305 -> 186-190 ms,
+// where torch's SDPA over the same fp32 K/V takes 162; the first token of a 16k prompt over
+// an int8 cache 72.7 -> 49 s.)
 constexpr int64_t kSpan = 256;
 constexpr int64_t kQTile = 64;
 constexpr int64_t kRowsAhead = 16;  // rows prefetched ahead of their dequantisation
