@@ -178,7 +178,8 @@ class NativeDecode:
     2-vCPU CPU, docs/benchmarks.md). Taken where every layer is Llama's (an optional qkv
     bias; no q/k norm, no bias after a row-parallel linear), one rank, and every linear has a
     packed GEMV, over a plain or int8 / int4 cache; `STEADYLM_CPU_DECODE_LAYERS=modules`
-    keeps the module path."""
+    keeps the module path. Batches above the GEMVs' rows (bf16 in AMX's layout: 2) run
+    oneDNN's matmul inside the same call, as the modules would."""
 
     def __init__(self, op, layers, eps: float) -> None:
         attn, mlp = layers[0].self_attn, layers[0].mlp
@@ -193,13 +194,11 @@ class NativeDecode:
         self.o_proj = [o.kernel.gemv_address for _, o, _ in linears]
         self.gate_up = [m.gate_up_proj.kernel.gemv_address for _, _, m in linears]
         self.down = [m.down_proj.kernel.gemv_address for _, _, m in linears]
-        kernels_ = [
-            lin.kernel for q, o, m in linears for lin in (q, o, m.gate_up_proj, m.down_proj)
-        ]
-        self.gemv_rows = min(k.gemv_max_rows for k in kernels_)
+        packed = [lin.kernel for q, o, m in linears for lin in (q, o, m.gate_up_proj, m.down_proj)]
+        self.gemv_rows = min(k.gemv_max_rows for k in packed)
         full = kernels.packed_linear_max_rows()
         if self.gemv_rows < full:  # bf16 in AMX's layout: oneDNN's matmul above gemv_rows
-            self.onednn = [k.weight for k in kernels_]
+            self.onednn = [k.weight for k in packed]
             self.max_rows = full
         else:
             self.onednn = []
