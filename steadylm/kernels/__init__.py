@@ -298,7 +298,7 @@ def tag_layout32(address: int) -> int:
     return address | LAYOUT32
 
 
-LAYOUT32_MAX_ROWS = 2
+LAYOUT32_MAX_ROWS = 6
 
 
 def packed_linear_max_rows(address: int | None = None) -> int:
@@ -307,10 +307,10 @@ def packed_linear_max_rows(address: int | None = None) -> int:
     the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there.
 
     For a weight at a tagged address (bf16 in 32-column blocks: oneDNN runs AMX there) it is
-    LAYOUT32_MAX_ROWS: AMX's matmul costs the same from 1 to 16 rows while the GEMV's
-    dot-products grow with them (a decode step's 49 bf16 linears, 2 threads of an Intel Xeon
-    with AMX: GEMV / oneDNN 8.4 / 10.4 ms at 1 row, 9.8 / 10.3 at 2, 10.8 / 10.3 at 3,
-    17.5 / 11.3 at 16)."""
+    LAYOUT32_MAX_ROWS, one row tile: AMX's matmul costs about the same from 1 to 16 rows
+    while the GEMV's dot-products grow with them (a decode step's 49 bf16 linears, 2 threads
+    of an Intel Xeon with AMX, GEMV / oneDNN: 9.4 / 12.0-12.6 ms at 1 row, 9.4 / 12.0-13.0 at
+    2, 10.2-10.4 / 12.1-12.3 at 4, 11.4-11.7 / 12.0-12.4 at 6, 12.8-12.9 / 12.2-12.3 at 8)."""
     ops = native_ops()
     if ops is None:
         return 0

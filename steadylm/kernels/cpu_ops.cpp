@@ -1715,22 +1715,32 @@ void by_rows(int64_t m, F&& f) {
 // y (m, n) = x (m, k) @ W^T (+ bias). One 64-column block per task. The m rows are split into
 // the fewest tiles of at most kRowTile, as even as they go (8 rows: 4 + 4, 16: 6 + 5 + 5).
 //
-// One tile: the block's K * 64 weights are one sequential stream from memory, prefetched
-// ahead of itself. More tiles (AVX-512): the block goes in K chunks of kChunkBytes, each tile
-// in turn over a chunk (the first from memory, the rest from L2), and while they compute,
-// they prefetch the next chunk (the rest of the block, or the next block's first), each tile
-// its share of its lines at an even rate. Without that the weights streamed only during the
-// first tile and the FMAs of the others waited on nothing but themselves: the memory stood
-// idle for 10 of 16 rows' compute. (49 linears of a decode step at 16 rows on a Zen 4 VM:
-// 20.5-23.0 -> 17.4-18.1 ms; 24 and 32 rows now also ahead of oneDNN's matmul.)
+// One row: the block's K * 64 weights are one sequential stream from memory, prefetched
+// ahead of itself. More rows (AVX-512): the block goes in K chunks of kChunkBytes, each tile
+// in turn over a chunk (the first from memory, the rest from L1 / L2), and while they
+// compute, they prefetch the next chunk (the rest of the block, or the next block's first),
+// each tile its share of its lines at an even rate. Without that the weights streamed only
+// during the first tile and the FMAs of the others waited on nothing but themselves: the
+// memory stood idle for 10 of 16 rows' compute. (49 linears of a decode step at 16 rows on a
+// Zen 4 VM: 20.5-23.0 -> 17.4-18.1 ms; 24 and 32 rows now also ahead of oneDNN's matmul.)
+// A lone tile of 2-6 rows goes in chunks too, prefetching the whole next chunk: streaming
+// ahead of itself it fell behind the memory as its FMAs grew (fp32 on an Intel Xeon with AMX,
+// 2 threads: 1 / 4 / 6 rows 17.3 / 21.1 / 23.1 ms, now 4 and 6 rows 17.6-18.4; bf16 at 2 and
+// 4 rows 11.0 / 12.9 -> 8.9 / 10.3).
+//
+// kChunkBytes: 32 KiB (128 fp32 steps), within L1, so the tiles after the first read it from
+// there. On the AMX Xeon, 16 / 32 rows 26.1-27.4 / 34.5-36.5 ms at 96 KiB, 21.0-23.1 /
+// 30.9-32.2 at 32 KiB; on the Zen 4 VM 32 KiB and 96 KiB measured level (17.8 / 17.4-18.1 ms).
 //
 // Each output is the same K-ordered chain of FMAs whatever m is (a chunk's sums wait in
 // `part` in fp32, exactly), so a row's result does not depend on the rows batched with it.
-constexpr int64_t kChunkBytes = 96 * 1024;
+constexpr int64_t kChunkBytes = 32 * 1024;
 
-// Tile t's share of the next K chunk's 4 * steps lines, as (lines a K step, first line): 2
-// tiles, 2 lines a step each; 3, the first 2 and the others 1; 4 or more, the first four 1.
+// Tile t's share of the next K chunk's 4 * steps lines, as (lines a K step, first line): a
+// lone tile, all 4; 2 tiles, 2 lines a step each; 3, the first 2 and the others 1; 4 or more,
+// the first four 1.
 inline std::pair<int, int64_t> next_chunk_share(int64_t tiles, int64_t t, int64_t steps) {
+  if (tiles == 1) return {4, 0};
   if (tiles == 2) return {2, 2 * t * steps};
   if (tiles == 3 && t == 0) return {2, 0};
   if (tiles == 3) return {1, (t + 1) * steps};
@@ -1742,7 +1752,7 @@ template <typename T>
 void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
                  bool cols32) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
-  const bool chunked = kChunkedTiles && tiles > 1;
+  const bool chunked = kChunkedTiles && m > 1;
   const int64_t kc = chunked ? kChunkBytes / (kPackBlock * int64_t(sizeof(T))) : k;
   const int64_t per_step = 4 / int64_t(sizeof(T));  // K elements a step takes (lines: 4)
   at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
@@ -1776,7 +1786,8 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
             constexpr int R = decltype(r)::value;
             if (fetch == kAhead) gemv_tile<R, kAhead>(a);
             else if constexpr (kChunkedTiles) {
-              if (fetch == 2) gemv_tile<R, 2>(a);
+              if (fetch == 4) gemv_tile<R, 4>(a);
+              else if (fetch == 2) gemv_tile<R, 2>(a);
               else if (fetch == 1) gemv_tile<R, 1>(a);
               else gemv_tile<R, 0>(a);
             } else gemv_tile<R, 0>(a);
