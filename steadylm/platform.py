@@ -84,6 +84,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether /proc/cpuinfo lists amx_bf16 (Intel Xeon 4th generation on): oneDNN runs bf16
+    matmuls on AMX tiles there."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def cpu_flags_key() -> str:
     """Identifies the CPU's instruction set, for code compiled with -march=native."""
     import platform as _py_platform

@@ -349,6 +349,34 @@ def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
         assert (38 in rows_seen) == native, (limit, rows_seen)  # both prompts, one step
 
 
+@needs_native
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prefills_take_sdpa_where_the_cpu_has_amx(amx, model_dirs, monkeypatch):
+    """Where the CPU has AMX (oneDNN runs SDPA's bf16 matmuls on its tiles) a bf16 cache's
+    short prefills go to SDPA; an fp32 cache there, and either dtype without AMX, keep the
+    per-row kernel."""
+    from steadylm import platform
+
+    _, path = model_dirs("llama")
+    monkeypatch.setattr(platform, "cpu_has_amx_bf16", lambda: amx)
+    rows_seen = []
+
+    def counting(dtype, device):
+        def run(q, *args):
+            rows_seen.append((q.dtype, q.shape[0]))
+            return ops.paged_attention(q, *args)
+
+        return run
+
+    monkeypatch.setattr(kernels, "native_paged_attention", counting)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        rows_seen.clear()
+        engine_for(path, dtype=dtype).generate([list(range(5, 35))], params)
+        prefill = [r for r in rows_seen if r[1] == 30]  # the prompt's rows, one step
+        assert bool(prefill) == (dtype == "float32" or not amx), (dtype, rows_seen)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_long_prefill_chunk_after_context_splits_its_attention(arch, model_dirs, monkeypatch):
     """A chunk of at least SPLIT_PREFIX_MIN_QUERY rows after cached context attends to the

@@ -1,7 +1,7 @@
 """Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
 On the CPU, native kernels in steadylm/kernels read the blocks in place instead: decode groups
 of an unquantized cache go to the paged decode kernel, prefill groups of an unquantized cache
-whose contexts are all short (SHORT_PREFILL_CONTEXT) and every group of an int8 / int4 cache
+whose contexts are all short (`short_prefill_context`) and every group of an int8 / int4 cache
 (prefill and decode) to the paged attention kernel, which computes each query row on its own,
 so a token's bits, and so the codes it writes, do not depend on its batch, chunk, preemption or
 cache hit.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from steadylm import kernels
+from steadylm import kernels, platform
 from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionMetadata, KVCache
 
 _LEVELS = {8: 255, 4: 15}
@@ -31,8 +31,20 @@ _LEVELS = {8: 255, 4: 15}
 # reads the blocks in place (no gather). 16 prompts of 256 tokens, 12 query / 4 KV heads of 64
 # on the 2-vCPU Zen 4 VM, a layer's attention: fp32 19.6 against 26.2 ms, bf16 17.2 against
 # 27.3; at 512 tokens SDPA led (22.8 against 29.4 ms), from 1k on they were level or SDPA
-# ahead. 0 keeps SDPA for every prefill.
+# ahead. 0 keeps SDPA for every prefill. A bf16 cache on a CPU with AMX keeps SDPA at every
+# length (`short_prefill_context`): its bf16 matmuls run on AMX tiles there, and the same 16 x 256
+# layer took 10.6 ms against the per-row kernel's 20.3 on an Intel Xeon with AMX (fp32 level,
+# 22.8 against 20.3); the first token of those 16 prompts, 0.80 -> 0.67 s.
 SHORT_PREFILL_CONTEXT = 256
+
+
+def short_prefill_context(dtype: torch.dtype) -> int:
+    """The longest context whose prefill takes the native per-row kernel (unquantized cache):
+    SHORT_PREFILL_CONTEXT, or 0 (SDPA) for bf16 where the CPU has AMX."""
+    if dtype == torch.bfloat16 and platform.cpu_has_amx_bf16():
+        return 0
+    return SHORT_PREFILL_CONTEXT
+
 
 # A prefill chunk of at least this many query rows after cached context (a long prompt's later
 # chunks, a prefix-cache hit), one sequence, no window, on the CPU: two SDPA calls instead of
@@ -79,11 +91,12 @@ class TorchAttentionBackend(AttentionBackend):
             return
         native = kernels.native_decode_attention(cache.k.dtype, cache.k.device)
         rows = kernels.native_paged_attention(cache.k.dtype, cache.k.device)
+        short = short_prefill_context(cache.k.dtype)
         for g in md.groups:
             if native is not None and g.max_query_len == 1:
                 # Decode reads the paged cache in place: no gather, no tiles, no mask.
                 g.prepared = {"native": native, "window": md.sliding_window or 0}
-            elif rows is not None and g.max_context_len <= SHORT_PREFILL_CONTEXT:
+            elif rows is not None and g.max_context_len <= short:
                 g.prepared = _rows_prepared(g, rows, md.sliding_window)
             else:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
