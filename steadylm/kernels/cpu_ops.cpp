@@ -81,9 +81,34 @@ inline void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// 2 * kVec values of T at p as two float vectors, and back (bf16: rounded to nearest even, as
+// torch's .to(); whole bf16 vectors: a partial load or store of one goes through a buffer).
+constexpr int64_t kVec2 = 2 * kVec;
+inline std::tuple<Vec, Vec> load2(const float* p) { return {Vec::loadu(p), Vec::loadu(p + kVec)}; }
+inline std::tuple<Vec, Vec> load2(const c10::BFloat16* p) {
+  return at::vec::convert_bfloat16_float(at::vec::Vectorized<c10::BFloat16>::loadu(p));
+}
+inline void store2(float* p, const Vec& a, const Vec& b) {
+  a.store(p);
+  b.store(p + kVec);
+}
+inline void store2(c10::BFloat16* p, const Vec& a, const Vec& b) {
+  at::vec::convert_float_bfloat16(a, b).store(p);
+}
+// a and b rounded through T (a no-op for float)
+template <typename T>
+inline void round2(Vec& a, Vec& b) {
+  if constexpr (!std::is_same<T, float>::value)
+    std::tie(a, b) = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(a, b));
+}
+
 // ---- RMSNorm ---------------------------------------------------------------------------
 // out = w * (x * rsqrt(mean(x^2) + eps)), mean in fp32 (transformers' LlamaRMSNorm).
 // With a residual: residual += x first (rounded to the model dtype), and the sum is normed.
+// The sum of squares goes in 2 * kVec lanes, then across them: a row's bits depend only on
+// the row (every path, prefill or decode, module or one-call step, runs this code). Summed
+// element by element each row was a chain of c dependent adds: 4096 rows of 768 took 2.6-3.3
+// ms (fp32 and bf16) on 2 threads of an Intel Xeon with AMX.
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t c,
                    double eps) {
@@ -92,20 +117,46 @@ void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, in
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * c;
       T* rr = residual ? residual + r * c : nullptr;
+      Vec acc0(0.f), acc1(0.f);
+      int64_t i = 0;
+      for (; i + kVec2 <= c; i += kVec2) {
+        auto [a, b] = load2(xr + i);
+        if (rr) {
+          const auto [ra, rb] = load2(rr + i);
+          a = a + ra;
+          b = b + rb;
+          round2<T>(a, b);
+          store2(rr + i, a, b);
+        }
+        store2(buf.data() + i, a, b);
+        acc0 = at::vec::fmadd(a, a, acc0);
+        acc1 = at::vec::fmadd(b, b, acc1);
+      }
+      float lanes[kVec];
+      (acc0 + acc1).store(lanes);
       float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < c; ++i) {
+      for (int64_t l = 0; l < kVec; ++l) ss += lanes[l];
+      for (; i < c; ++i) {
         float v = to_f(xr[i]);
-        if (rr) v = round_to<T>(v + to_f(rr[i]));
+        if (rr) {
+          v = round_to<T>(v + to_f(rr[i]));
+          rr[i] = from_f<T>(v);
+        }
         buf[i] = v;
         ss += v * v;
       }
-      if (rr)
-        for (int64_t i = 0; i < c; ++i) rr[i] = from_f<T>(buf[i]);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
       T* o = out + r * c;
-#pragma omp simd
-      for (int64_t i = 0; i < c; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
+      const Vec iv(inv);
+      for (i = 0; i + kVec2 <= c; i += kVec2) {
+        auto [a, b] = load2(buf.data() + i);
+        a = a * iv;
+        b = b * iv;
+        round2<T>(a, b);
+        const auto [wa, wb] = load2(w + i);
+        store2(o + i, wa * a, wb * b);
+      }
+      for (; i < c; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
     }
   });
 }
@@ -164,7 +215,19 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         for (int64_t i = 0; i < d; ++i) e[i] = -to_f(g[i]);
         exp_inplace(e.data(), d);
         scalar_t* o = op + r * d;
-        for (int64_t i = 0; i < d; ++i) {
+        // in vectors, the same arithmetic as element by element (the bf16 conversions too:
+        // the scalar loop ran at ~4 cycles an element)
+        const Vec one(1.f);
+        int64_t i = 0;
+        for (; i + kVec2 <= d; i += kVec2) {
+          auto [ga, gb] = load2(g + i);
+          const auto [ua, ub] = load2(u + i);
+          ga = ga / (one + Vec::loadu(e.data() + i));
+          gb = gb / (one + Vec::loadu(e.data() + i + kVec));
+          round2<scalar_t>(ga, gb);
+          store2(o + i, ga * ua, gb * ub);
+        }
+        for (; i < d; ++i) {
           const float s = round_to<scalar_t>(to_f(g[i]) / (1.f + e[i]));
           o[i] = from_f<scalar_t>(s * to_f(u[i]));
         }
