@@ -546,6 +546,31 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n,
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// T itself, not deduced from the argument (a `next` of nullptr takes the rows' type).
+template <typename T>
+struct SameType {
+  using type = T;
+};
+template <typename T>
+using Same = typename SameType<T>::type;
+
+// kVec cached values as floats: in place (fp32), or widened in registers (bf16 -> fp32 is
+// exact: the 16 bits above 16 zero bits), the same values to_float writes.
+inline Vec loadv(const float* p) { return Vec::loadu(p); }
+inline Vec loadv(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  float f[kVec];
+  for (int64_t i = 0; i < kVec; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
 // out[i] = the sum of vector i's lanes, for kVec vectors of kVec floats, x + i * ld (a
 // transposing tree: 45 shuffles and adds for 16 sums on AVX-512, against ~8 per vector alone).
 inline void lane_sums(const float* x, int64_t ld, float* out) {
@@ -597,23 +622,24 @@ constexpr int kRunRegs = 6;
 // bench model's cache, 16k context, 2 threads on a Zen 4 VM: 20-22 -> 14.5-15.9 ms a step;
 // into L1 (T0) it measured no better than none.) Rows past `ahead` repeat its last one (the
 // next chunk can be shorter than this one and end its block).
-template <int NV>
-inline void prefetch_row_part(const float* next, int64_t t, int64_t ahead, int64_t row) {
+template <int NV, typename KT>
+inline void prefetch_row_part(const KT* next, int64_t t, int64_t ahead, int64_t row) {
   if (!next) return;
-  const float* r = next + std::min(t, ahead - 1) * row;
-  for (int i = 0; i < NV * kVec; i += 64 / int(sizeof(float))) prefetch_l2(r + i);
+  const KT* r = next + std::min(t, ahead - 1) * row;
+  for (int i = 0; i < NV * kVec; i += 64 / int(sizeof(KT))) prefetch_l2(r + i);
 }
 
 // part[(t - t0) * H + h0 + j] = the lane products of q_(h0 + j) and row t, for t in [t0, t1).
-template <int NV, int GB>
-inline void score_pass(const float* qf, const float* k, int64_t row, int64_t t0, int64_t t1,
-                       int64_t H, int64_t h0, float* part, const float* next, int64_t ahead) {
+// Rows of KT: float, or bf16 widened as they load (loadv).
+template <int NV, int GB, typename KT>
+inline void score_pass(const float* qf, const KT* k, int64_t row, int64_t t0, int64_t t1,
+                       int64_t H, int64_t h0, float* part, const KT* next, int64_t ahead) {
   Vec qv[GB][NV];
   for (int j = 0; j < GB; ++j)
     for (int i = 0; i < NV; ++i) qv[j][i] = Vec::loadu(qf + (h0 + j) * NV * kVec + i * kVec);
   for (int64_t t = t0; t < t1; ++t) {
     Vec kv[NV];
-    for (int i = 0; i < NV; ++i) kv[i] = Vec::loadu(k + t * row + i * kVec);
+    for (int i = 0; i < NV; ++i) kv[i] = loadv(k + t * row + i * kVec);
     prefetch_row_part<NV>(next, t, ahead, row);
     for (int j = 0; j < GB; ++j) {
       Vec a = qv[j][0] * kv[0];
@@ -624,15 +650,15 @@ inline void score_pass(const float* qf, const float* k, int64_t row, int64_t t0,
 }
 
 // acc_(h0 + j) += sum over rows t < n of p[(h0 + j) * ldp + t] * v_t, in row order.
-template <int NV, int GB>
-inline void value_pass(float* acc, const float* p, int64_t ldp, const float* v, int64_t row,
-                       int64_t n, int64_t h0, const float* next, int64_t ahead) {
+template <int NV, int GB, typename KT>
+inline void value_pass(float* acc, const float* p, int64_t ldp, const KT* v, int64_t row,
+                       int64_t n, int64_t h0, const KT* next, int64_t ahead) {
   VReg a[GB][NV];
   for (int j = 0; j < GB; ++j)
     for (int i = 0; i < NV; ++i) a[j][i] = Vec::loadu(acc + (h0 + j) * NV * kVec + i * kVec);
   for (int64_t t = 0; t < n; ++t) {
     Vec vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = Vec::loadu(v + t * row + i * kVec);
+    for (int i = 0; i < NV; ++i) vv[i] = loadv(v + t * row + i * kVec);
     prefetch_row_part<NV>(next, t, ahead, row);
     for (int j = 0; j < GB; ++j) {
       const Vec w(p[(h0 + j) * ldp + t]);
@@ -656,9 +682,9 @@ inline void head_passes(int64_t hk, int64_t G, F&& f) {
 // p[h * ldp + t] = qf_h . k_t for the chunk's rows and every query head: each (row, head)
 // product is left as a vector in `part` ((kVec, H, kVec) floats) and kVec rows' lane sums
 // are taken together.
-template <int NV, int Regs = kAccRegs>
-inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, int64_t hkv,
-                       int64_t G, float* part, float* p, int64_t ldp, const float* next,
+template <int NV, int Regs = kAccRegs, typename KT>
+inline void score_rows(const float* qf, const KT* k, int64_t row, int64_t n, int64_t hkv,
+                       int64_t G, float* part, float* p, int64_t ldp, const Same<KT>* next,
                        int64_t ahead) {
   const int64_t H = hkv * G;
   for (int64_t t0 = 0; t0 < n; t0 += kVec) {
@@ -677,9 +703,9 @@ inline void score_rows(const float* qf, const float* k, int64_t row, int64_t n, 
 }
 
 // acc_h += sum over the chunk's rows t of p[h * ldp + t] * v_t (KV head h / G's part).
-template <int NV, int Regs = kAccRegs>
-inline void value_rows(float* acc, const float* p, int64_t ldp, const float* v, int64_t row,
-                       int64_t n, int64_t hkv, int64_t G, const float* next, int64_t ahead) {
+template <int NV, int Regs = kAccRegs, typename KT>
+inline void value_rows(float* acc, const float* p, int64_t ldp, const KT* v, int64_t row,
+                       int64_t n, int64_t hkv, int64_t G, const Same<KT>* next, int64_t ahead) {
   for (int64_t hk = 0; hk < hkv; ++hk)
     head_passes<NV, Regs>(hk, G, [&](auto gb, int64_t h0) {
       value_pass<NV, decltype(gb)::value>(acc, p, ldp, v + hk * NV * kVec, row, n, h0,
@@ -741,6 +767,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const float sc = static_cast<float>(scale);
   constexpr int64_t kMinSpan = 64;
   constexpr bool kInPlace = std::is_same<T, float>::value;
+  const bool vector_d = scores_and_values(D, [](auto) {});  // the vector passes take D
   const int64_t threads = at::get_num_threads();
   // Enough (sequence, span) items that every thread gets the same number: a batch smaller
   // than a few per thread splits each context into threads / gcd(S, threads) spans.
@@ -750,7 +777,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
   at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(H * D), p(H * kChunk), part(H * kVec * kVec), kbuf, vbuf;
-    if (!kInPlace) kbuf.resize(kChunk * row), vbuf.resize(kChunk * row);
+    if (!kInPlace && !vector_d) kbuf.resize(kChunk * row), vbuf.resize(kChunk * row);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t s = item / spans, span = item % spans;
       const int64_t ctx = lp[s];
@@ -763,12 +790,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       float* mx = pmax.data() + item * H;
       float* sm = psum.data() + item * H;
       float* acc = pacc.data() + item * H * D;
-      // Chunks: up to kChunk consecutive positions inside one block, K and V rows in place
-      // (fp32) or converted to fp32 buffers (bf16).
+      // Chunks: up to kChunk consecutive positions inside one block, K and V rows read in
+      // place, bf16 ones widened to fp32 in registers as they load (`loadv`), except for a
+      // head_dim the vector passes do not take (key by key over fp32 buffers).
       // While a chunk is read, the next one's `ahead` rows (after the last chunk, the chunk
-      // itself) are prefetched: by the passes reading fp32 rows in place, by the conversion
-      // of bf16 rows (whose passes then "prefetch" their own buffers: passing them no pointer
-      // measured 8-12% slower at 16k, 14.6-15.4 against 13.4-13.6 ms).
+      // itself) are prefetched by the passes.
+      // (bf16 rows went first through fp32 buffers, a whole chunk's, two of 64 KiB that
+      // outgrew L1, then 16 rows at a time: 12 layers at batch 16, context 320, an Intel Xeon
+      // with AMX, 5.4 -> 4.0-4.6 ms a step; widened in registers 3.3-3.5 ms, and one
+      // sequence at 16k 15.8 -> 12.2 ms; the same FMAs in the same order throughout, so the
+      // same bits.)
       const auto chunk_at = [&](int64_t at_pos) {  // (first slot, rows) of the chunk at at_pos
         const int64_t off = at_pos % bs;
         return std::pair<int64_t, int64_t>{table[at_pos / bs] * bs + off,
@@ -778,72 +809,31 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
         const auto [slot, n] = chunk_at(pos);
         const auto [next_slot, ahead] =
             pos + n < hi ? chunk_at(pos + n) : std::pair<int64_t, int64_t>{slot, n};
-        const int64_t pf = kInPlace ? ahead : n;
-        if constexpr (!kInPlace) {
-          // bf16 rows are converted kVec at a time into buffers that stay in L1, each pass
-          // over them as over a whole chunk's (the same groups of kVec rows for the scores,
-          // the same FMAs in row order for the outputs: the bits do not change). A whole
-          // chunk's fp32 rows, two buffers of kChunk * row floats, outgrew L1: the
-          // conversion's stores and the passes' loads went to L2 (12 layers at batch 16,
-          // context 320, an Intel Xeon with AMX: 5.4 -> 4.0-4.6 ms a step).
-          const bool grouped = scores_and_values(D, [&](auto nv) {
-            constexpr int NV = decltype(nv)::value;
-            // rows [t0, t0 + m) of the chunk at src into buf; the same rows of the next
-            // chunk (those of its `ahead`) prefetched as they go
-            const auto convert = [&](const T* cache, int64_t t0, int64_t m, float* buf) {
-              const int64_t pa = std::max<int64_t>(0, std::min(m, ahead - t0));
-              to_float(cache + (slot + t0) * row, buf, m * row, cache + (next_slot + t0) * row,
-                       pa * row);
-            };
-            for (int64_t t0 = 0; t0 < n; t0 += kVec) {
-              const int64_t m = std::min<int64_t>(kVec, n - t0);
-              convert(kp, t0, m, kbuf.data());
-              score_rows<NV>(qf.data(), kbuf.data(), row, m, hkv, G, part.data(), p.data() + t0,
-                             kChunk, kbuf.data(), m);
-            }
-            softmax_chunk(p.data(), n, H, D, mx, sm, acc);
-            for (int64_t t0 = 0; t0 < n; t0 += kVec) {
-              const int64_t m = std::min<int64_t>(kVec, n - t0);
-              convert(vp, t0, m, vbuf.data());
-              value_rows<NV>(acc, p.data() + t0, kChunk, vbuf.data(), row, m, hkv, G,
-                             vbuf.data(), m);
-            }
-          });
-          if (grouped) {
-            pos += n;
-            continue;
-          }
-        }
-        const float* k = kbuf.data();
-        const float* v = vbuf.data();
-        const float* kn = k;  // what the passes prefetch
-        const float* vn = v;
-        if constexpr (kInPlace) {
-          k = kp + slot * row;
-          v = vp + slot * row;
-          kn = kp + next_slot * row;
-          vn = vp + next_slot * row;
-        } else {
-          to_float(kp + slot * row, kbuf.data(), n * row, kp + next_slot * row, ahead * row);
-        }
+        const T* k = kp + slot * row;
+        const T* v = vp + slot * row;
         const bool fast = scores_and_values(D, [&](auto nv) {
-          score_rows<decltype(nv)::value>(qf.data(), k, row, n, hkv, G, part.data(), p.data(),
-                                          kChunk, kn, pf);
+          constexpr int NV = decltype(nv)::value;
+          score_rows<NV>(qf.data(), k, row, n, hkv, G, part.data(), p.data(), kChunk,
+                         kp + next_slot * row, ahead);
+          softmax_chunk(p.data(), n, H, D, mx, sm, acc);
+          value_rows<NV>(acc, p.data(), kChunk, v, row, n, hkv, G, vp + next_slot * row, ahead);
         });
-        if (!fast)  // a head_dim the vector paths do not take: key by key, head by head
+        if (!fast) {  // a head_dim the vector passes do not take: key by key, head by head
+          const float* kf = kbuf.data();
+          const float* vf = vbuf.data();
+          if constexpr (kInPlace) {
+            kf = k;
+            vf = v;
+          } else {
+            to_float(k, kbuf.data(), n * row, kp + next_slot * row, ahead * row);
+            to_float(v, vbuf.data(), n * row, vp + next_slot * row, ahead * row);
+          }
           for (int64_t t = 0; t < n; ++t)
             for (int64_t h = 0; h < H; ++h)
-              p[h * kChunk + t] = dot(qf.data() + h * D, k + t * row + (h / G) * D, D);
-        softmax_chunk(p.data(), n, H, D, mx, sm, acc);
-        if constexpr (!kInPlace)
-          to_float(vp + slot * row, vbuf.data(), n * row, vp + next_slot * row, ahead * row);
-        if (fast) {
-          scores_and_values(D, [&](auto nv) {
-            value_rows<decltype(nv)::value>(acc, p.data(), kChunk, v, row, n, hkv, G, vn, pf);
-          });
-        } else {
+              p[h * kChunk + t] = dot(qf.data() + h * D, kf + t * row + (h / G) * D, D);
+          softmax_chunk(p.data(), n, H, D, mx, sm, acc);
           for (int64_t h = 0; h < H; ++h)
-            weighted_values_head(acc + h * D, p.data() + h * kChunk, v + (h / G) * D, row, n, D);
+            weighted_values_head(acc + h * D, p.data() + h * kChunk, vf + (h / G) * D, row, n, D);
         }
         pos += n;
       }
