@@ -95,8 +95,9 @@ def _gemv_kernel(w, b):
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-# (1280, 768): 20 column blocks, fp32 K in two chunks; (192, 2016): 3 blocks (one thread's
-# next chunk is another block's), K in chunks whose last is short in both dtypes
+# (1280, 768): 20 column blocks, K in whole chunks (32 KiB: 128 fp32 steps, 256 bf16 ones);
+# (192, 2016): 3 blocks (one thread's next chunk is another block's), K in chunks whose last
+# is short in both dtypes
 @pytest.mark.parametrize("n,k", [(1280, 768), (192, 2016)])
 def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     _skip_without_onednn(dtype)
@@ -105,7 +106,7 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     b = torch.randn(n, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
     assert kernel.apply(torch.empty(0, k, dtype=dtype)).shape == (0, n)  # no rows: oneDNN
-    # 64 with AVX-512, 4 with AVX2; 2 for bf16 in 32-column blocks (AMX's matmul wins above)
+    # 64 with AVX-512, 4 with AVX2; 6 for bf16 in 32-column blocks (AMX's matmul wins above)
     assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address) >= 2
     for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
         x = torch.randn(m, k, dtype=dtype)
