@@ -60,16 +60,18 @@ def resolve_dtype(name: str, mc: ModelConfig, device: torch.device) -> torch.dty
     return dtype
 
 
-def _cpu_flags() -> set[str]:
-    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none), read
+    once: the attention backend asks on every step."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def cpu_onednn_bf16() -> bool:
