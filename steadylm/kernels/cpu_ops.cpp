@@ -208,27 +208,30 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-      std::vector<float> e(d);
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* g = xp + r * 2 * d;
         const scalar_t* u = g + d;
-        for (int64_t i = 0; i < d; ++i) e[i] = -to_f(g[i]);
-        exp_inplace(e.data(), d);
         scalar_t* o = op + r * d;
-        // in vectors, the same arithmetic as element by element (the bf16 conversions too:
-        // the scalar loop ran at ~4 cycles an element)
+        // In vectors, the same arithmetic as element by element, exp(-g) included (the bf16
+        // conversions too: the scalar loop ran at ~4 cycles an element). The tail takes its
+        // exps as exp_inplace does, from a kVec boundary, so every element's bits are those
+        // of one exp_inplace pass over the row.
         const Vec one(1.f);
         int64_t i = 0;
         for (; i + kVec2 <= d; i += kVec2) {
           auto [ga, gb] = load2(g + i);
           const auto [ua, ub] = load2(u + i);
-          ga = ga / (one + Vec::loadu(e.data() + i));
-          gb = gb / (one + Vec::loadu(e.data() + i + kVec));
+          ga = ga / (one + ga.neg().exp_u20());
+          gb = gb / (one + gb.neg().exp_u20());
           round2<scalar_t>(ga, gb);
           store2(o + i, ga * ua, gb * ub);
         }
-        for (; i < d; ++i) {
-          const float s = round_to<scalar_t>(to_f(g[i]) / (1.f + e[i]));
+        float e[kVec2];
+        const int64_t i0 = i;
+        for (; i < d; ++i) e[i - i0] = -to_f(g[i]);
+        exp_inplace(e, d - i0);
+        for (i = i0; i < d; ++i) {
+          const float s = round_to<scalar_t>(to_f(g[i]) / (1.f + e[i - i0]));
           o[i] = from_f<scalar_t>(s * to_f(u[i]));
         }
       }
