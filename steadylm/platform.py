@@ -4,6 +4,7 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_GEMM`: `onednn` (default) or `torch`, the dense matmul on the CPU.
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
+- `STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, see `cpu_amx_gemv`.
 - `STEADYLM_CPU_HUGEPAGES`: `on` (default) or `off`, see `advise_huge_pages`.
 - `STEADYLM_CPU_DECODE_LAYERS`: `native` (default) or `modules`: a decode step's decoder
   layers in one native call (`kernels.decode_layers`), or module by module.
@@ -143,6 +144,13 @@ def cpu_gemm() -> str:
 def cpu_allreduce() -> str:
     """'shm': tp ranks on one CPU machine all-reduce through shared memory; 'gloo': always gloo."""
     return _choice("STEADYLM_CPU_ALLREDUCE", ("shm", "gloo"))
+
+
+def cpu_amx_gemv() -> str:
+    """`STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, whether bf16 linears of 1-16 rows
+    in AMX's weight layout run the native GEMV on AMX's tiles (else its vector row tiles up
+    to 6 rows, oneDNN's matmul above)."""
+    return _choice("STEADYLM_CPU_AMX_GEMV", ("on", "off"))
 
 
 def cpu_kernels() -> str:

@@ -287,6 +287,7 @@ def native_decode_layers():
 
 # ---- small-batch linear over oneDNN's packed weight ---------------------------------------
 LAYOUT32 = 1  # cpu_ops.cpp kLayout32: the low bit of a weight address
+AMX = 2  # cpu_ops.cpp kAmx: a 32-column weight whose GEMV runs AMX's tiles (the next bit)
 
 
 def tag_layout32(address: int) -> int:
@@ -301,21 +302,29 @@ def tag_layout32(address: int) -> int:
 LAYOUT32_MAX_ROWS = 6
 
 
-def packed_linear_max_rows(address: int | None = None) -> int:
+def packed_linear_max_rows(address: int | None = None, k: int | None = None) -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
     least as fast (64 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
     the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there.
 
-    For a weight at a tagged address (bf16 in 32-column blocks: oneDNN runs AMX there) it is
-    LAYOUT32_MAX_ROWS, one row tile: AMX's matmul costs about the same from 1 to 16 rows
-    while the GEMV's dot-products grow with them (a decode step's 49 bf16 linears, 2 threads
-    of an Intel Xeon with AMX, GEMV / oneDNN: 9.4 / 12.0-12.6 ms at 1 row, 9.4 / 12.0-13.0 at
-    2, 10.2-10.4 / 12.1-12.3 at 4, 11.4-11.7 / 12.0-12.4 at 6, 12.8-12.9 / 12.2-12.3 at 8)."""
+    For a weight at a tagged address (bf16 in 32-column blocks: oneDNN runs AMX there) with
+    k input features: through AMX's tiles (tagged AMX, see `packed_linear_address`), one A
+    tile's rows (16); else LAYOUT32_MAX_ROWS, one vector row tile: AMX's matmul costs about
+    the same from 1 to 16 rows while the vector GEMV's dot-products grow with them (a decode
+    step's 49 bf16 linears, 2 threads of an Intel Xeon with AMX, GEMV / oneDNN: 9.4 /
+    12.0-12.6 ms at 1 row, 10.2-10.4 / 12.1-12.3 at 4, 11.4-11.7 / 12.0-12.4 at 6, 12.8-12.9
+    / 12.2-12.3 at 8)."""
     ops = native_ops()
     if ops is None:
         return 0
     rows = int(ops.packed_linear_max_rows())
-    return min(rows, LAYOUT32_MAX_ROWS) if address is not None and address & LAYOUT32 else rows
+    if address is None or not address & LAYOUT32:
+        return rows
+    if address & AMX:
+        if k is None:
+            raise ValueError("packed_linear_max_rows: an AMX-tagged weight needs its k")
+        return int(ops.packed_linear_amx_rows(k))
+    return min(rows, LAYOUT32_MAX_ROWS)
 
 
 def _packed_buffer(packed: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
@@ -359,7 +368,10 @@ def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | N
     for cols in (64, 32):  # (N / cols, K / 2, cols, 2): 32 where oneDNN runs AMX
         expect = bits.view(n // cols, cols, k // 2, 2).transpose(1, 2)
         if torch.equal(raw.view(n // cols, k // 2, cols, 2), expect):
-            return addr if cols == 64 else tag_layout32(addr)
+            if cols == 64:
+                return addr
+            amx = platform.cpu_amx_gemv() == "on" and ops.packed_linear_amx_rows(k) > 0
+            return tag_layout32(addr) | (AMX if amx else 0)
     return None
 
 

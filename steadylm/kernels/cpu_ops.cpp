@@ -26,6 +26,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -1585,7 +1589,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 //   bf16: (N / 64, K / 2, 64, 2)   w[n, k] at (((n / 64) * K + k - k % 2) * 64 + n % 64 * 2 + k % 2)
 //   bf16 where oneDNN runs AMX (Intel Xeon 4th gen on): (N / 32, K / 2, 32, 2), blocks of 32
 //         columns. A task still takes 64 columns, as two streams of 32 (Tile::half: the second
-//         32 columns' offset); its address comes tagged (kLayout32, the low bit).
+//         32 columns' offset); its address comes tagged (kLayout32, the low bit), and
+//         where up to 16 rows run AMX's tiles (amx_gemv) tagged kAmx too (the next bit).
 // One 64-row block per task: its K * 64 weights are one sequential stream, and every x value
 // is broadcast against 64 outputs (4 AVX-512 accumulators per batch row; AVX2 below). oneDNN
 // packs fp32 weights in the same (N / 64, K, 64) blocks on AVX2 as on AVX-512 (checked per
@@ -1616,6 +1621,7 @@ struct Tile {
   int64_t pf_split = std::numeric_limits<int64_t>::max();
 };
 constexpr int64_t kLayout32 = 1;  // tags a weight address whose bf16 blocks are 32 columns
+constexpr int64_t kAmx = 2;  // tags one (32-column blocks) whose GEMV runs AMX's tiles
 
 // A tile's software prefetch into L2 (the Fetch template argument): kAhead, kPrefetch elements
 // ahead of its own weights (a block's only tile, which streams them from memory once); n > 0,
@@ -1839,9 +1845,102 @@ inline std::pair<int, int64_t> next_chunk_share(int64_t tiles, int64_t t, int64_
   return {0, 0};
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- bf16 in AMX's 32-column blocks, through AMX's tiles -----------------------------------
+// oneDNN's AMX matmul costs about the same from 1 to 16 rows but streamed a decode step's
+// weights at ~60% of the memory's rate, and the vector GEMV above runs out of dot-product
+// throughput past ~6 rows (vdpbf16ps issues at a quarter of an FMA's rate there: 1.6 against
+// 6.5 G instructions/s a core). Here up to 16 rows are one A tile (x's rows, 32 K values
+// each); each 32-column stream is two B tiles (16 K pairs x 16 columns x 2, read in place:
+// its rows of 32 pairs at a 128-byte stride), and a 64-column block's four C tiles (m x 16
+// fp32) sum over the whole of K. With 16 x 16 x 32 products an instruction the loop is bound
+// by the weights' stream alone. The hardware prefetcher keeps up with the two sequential
+// streams; software prefetches as the vector GEMV's (32 lines of each stream a K step)
+// made it slower (151 MB: 7.3-8.2 ms without, 8.8-9.8 with, on 2 threads). A row's result does
+// not depend on the rows beside it (each C row is its A row's own sums); its sums round in
+// the tile unit's order, which differs from vdpbf16ps's in ~1 output of 2,000 by one bf16 ulp.
+constexpr int64_t kAmxRows = 16;  // an A tile's rows
+constexpr int64_t kAmxK = 32;     // an A tile's K values (64 bytes a row)
+
+// Whether this process may use the tile registers: Linux grants them on request, once per
+// process (oneDNN asks as well); asked here once. Without them the vector GEMV runs.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes a row
+  uint8_t rows[16] = {};
+};
+
+// y (m, n) = x (m, k) @ W^T (+ bias), m <= kAmxRows, k % kAmxK == 0, W in 32-column blocks.
+// Tiles: 0 A, 1-2 B, 3-6 C.
+void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+              c10::BFloat16* y, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    cfg.rows[0] = static_cast<uint8_t>(m);
+    cfg.colsb[0] = kAmxK * 2;
+    for (int t = 1; t <= 2; ++t) {
+      cfg.rows[t] = kAmxK / 2;
+      cfg.colsb[t] = 64;
+    }
+    for (int t = 3; t <= 6; ++t) {
+      cfg.rows[t] = static_cast<uint8_t>(m);
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) float buf[kAmxRows * kPackBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const c10::BFloat16* s0 = w + b * k * kPackBlock;  // columns 0-31: (K / 2, 32, 2)
+      const c10::BFloat16* s1 = s0 + 32 * k;             // columns 32-63
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      for (int64_t i = 0; i < k; i += kAmxK) {
+        const int64_t off = i * 32;  // K pair i / 2's row of 32 pairs
+        _tile_loadd(0, x + i, k * 2);
+        _tile_loadd(1, s0 + off, 128);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_loadd(2, s0 + off + 32, 128);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, s1 + off, 128);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(2, s1 + off + 32, 128);
+        _tile_dpbf16ps(6, 0, 2);
+      }
+      _tile_stored(3, buf, kPackBlock * 4);
+      _tile_stored(4, buf + 16, kPackBlock * 4);
+      _tile_stored(5, buf + 32, kPackBlock * 4);
+      _tile_stored(6, buf + 48, kPackBlock * 4);
+      for (int64_t r = 0; r < m; ++r)  // + bias in fp32, one rounding, as gemv_tile's
+        for (int64_t j = 0; j < kPackBlock; ++j) {
+          float v = buf[r * kPackBlock + j];
+          if (bias) v += static_cast<float>(bias[b * kPackBlock + j]);
+          y[r * n + b * kPackBlock + j] = static_cast<c10::BFloat16>(v);
+        }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 template <typename T>
 void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
-                 bool cols32) {
+                 bool cols32, bool amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx && m <= kAmxRows) return amx_gemv(x, w, bias, y, m, n, k);
+  }
+#endif
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
   const bool chunked = kChunkedTiles && m > 1;
   const int64_t kc = chunked ? kChunkBytes / (kPackBlock * int64_t(sizeof(T))) : k;
@@ -1894,9 +1993,9 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
 template <typename T>
 at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bias, at::Tensor y,
                       int64_t n) {
-  packed_gemm<T>(x.data_ptr<T>(), reinterpret_cast<const T*>(weight & ~kLayout32),
+  packed_gemm<T>(x.data_ptr<T>(), reinterpret_cast<const T*>(weight & ~(kLayout32 | kAmx)),
                  bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), x.size(0), n, x.size(1),
-                 (weight & kLayout32) != 0);
+                 (weight & kLayout32) != 0, (weight & kAmx) != 0);
   return y;
 }
 #endif
@@ -1911,6 +2010,18 @@ int64_t packed_linear_max_rows() {
 #elif defined(__AVX2__)
   return 4;
 #else
+  return 0;
+#endif
+}
+
+// The most rows the GEMV takes through AMX's tiles for a bf16 weight in 32-column blocks
+// with k columns: kAmxRows where this build and process run them and K is whole A tiles,
+// else 0 (the vector GEMV's row tiles then, packed_linear_max_rows).
+int64_t packed_linear_amx_rows(int64_t k) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return k > 0 && k % kAmxK == 0 && amx_ready() ? kAmxRows : 0;
+#else
+  (void)k;
   return 0;
 #endif
 }
@@ -1938,6 +2049,9 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
                 "packed_linear: bias must be a contiguous (N,) tensor of x's dtype");
   TORCH_CHECK(!(weight & kLayout32) || x.scalar_type() == at::kBFloat16,
               "packed_linear: 32-column blocks are a bf16 layout");
+  TORCH_CHECK(!(weight & kAmx) || ((weight & kLayout32) && packed_linear_amx_rows(k) > 0),
+              "packed_linear: AMX tiles take 32-column blocks, K % 32 == 0, and AMX (see "
+              "packed_linear_amx_rows)");
   auto y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__) || defined(__AVX2__)
   const at::Tensor* b = has_bias ? &*bias : nullptr;
@@ -2062,6 +2176,7 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
   m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
+  m.def("packed_linear_amx_rows(int k) -> int", &packed_linear_amx_rows);
   m.def(
       "decode_layers(Tensor(e!) x, Tensor[] norm1, Tensor[] norm2, int[] qkv, Tensor?[] qkv_bias, "
       "int[] o_proj, int[] gate_up, int[] down, Tensor(a!) k_cache, Tensor(b!) v_cache, "

@@ -64,7 +64,9 @@ class OneDNNDenseKernel(LinearKernel):
         # Where the small-batch GEMV can read self.weight in place (None: oneDNN only).
         self.gemv_address = kernels.packed_linear_address(weight, self.weight)
         self.gemv_max_rows = (
-            0 if self.gemv_address is None else kernels.packed_linear_max_rows(self.gemv_address)
+            0
+            if self.gemv_address is None
+            else kernels.packed_linear_max_rows(self.gemv_address, self.in_features)
         )
 
     @staticmethod

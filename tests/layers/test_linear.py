@@ -106,8 +106,9 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     b = torch.randn(n, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
     assert kernel.apply(torch.empty(0, k, dtype=dtype)).shape == (0, n)  # no rows: oneDNN
-    # 64 with AVX-512, 4 with AVX2; 6 for bf16 in 32-column blocks (AMX's matmul wins above)
-    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address) >= 2
+    # 64 with AVX-512, 4 with AVX2; for bf16 in 32-column blocks (where oneDNN runs AMX) 16
+    # through AMX's tiles, else 6 (AMX's matmul wins above)
+    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address, k) >= 2
     for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
         x = torch.randn(m, k, dtype=dtype)
         got = kernel.apply(x)
@@ -150,6 +151,72 @@ def test_packed_gemv_reads_bf16_in_64_and_32_column_blocks(bias, n, k):
         torch.testing.assert_close(y32.double(), ref, rtol=0.02, atol=0.5)
     with pytest.raises(RuntimeError, match="bf16 layout"):
         ops.packed_linear(x.float(), kernels.tag_layout32(by32.data_ptr()), n, None)
+
+
+def _amx_rows_or_skip(k: int) -> int:
+    ops = kernels.native_ops()
+    rows = 0 if ops is None else int(ops.packed_linear_amx_rows(k))
+    if not rows:
+        pytest.skip(
+            f"no AMX GEMV here (AMX tiles need an Intel Xeon 4th gen on; kernels: "
+            f"{kernels.status()})"
+        )
+    return rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(1280, 768), (192, 2016)])
+def test_the_amx_gemv_keeps_each_row_s_bits_and_the_vector_gemv_s_values(bias, n, k):
+    """bf16 in 32-column blocks through AMX's tiles (up to 16 rows): a row's result does not
+    depend on the rows beside it, and it is the vector GEMV's (vdpbf16ps) to one bf16 ulp:
+    the tile unit sums the same products in its own order (they differ in ~1 output of
+    2,000)."""
+    rows = _amx_rows_or_skip(k)
+    ops = kernels.native_ops()
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    by32 = w.view(torch.int16).view(n // 32, 32, k // 2, 2).transpose(1, 2).contiguous()
+    vector = kernels.tag_layout32(by32.data_ptr())
+    amx = vector | kernels.AMX
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    for m in range(1, rows + 1):
+        got = ops.packed_linear(x[:m], amx, n, b)
+        alone = torch.cat([ops.packed_linear(x[i : i + 1], amx, n, b) for i in range(m)])
+        assert torch.equal(got, alone), m
+        vec = ops.packed_linear(x[:m], vector, n, b)
+        ulp = 2.0 ** (torch.floor(torch.log2(vec.float().abs().clamp_min(1e-30))) - 7)
+        # (+ 1e-3: a result near zero is a cancellation, whose fp32 sums differ by their
+        # rounding, ~2^-24 of the products' magnitude, not by the result's ulp)
+        assert ((got.float() - vec.float()).abs() <= ulp + 1e-3).all(), m
+        torch.testing.assert_close(got.double(), ref[:m], rtol=0.02, atol=0.5)
+
+
+@needs_onednn
+def test_bf16_linears_take_the_amx_gemv_up_to_16_rows_unless_switched_off(monkeypatch):
+    """Where oneDNN packs bf16 in AMX's 32-column blocks, a layer whose K is whole A tiles
+    (32) is tagged for the AMX GEMV and takes it up to 16 rows;
+    STEADYLM_CPU_AMX_GEMV=off keeps the vector GEMV (6 rows); a mistagged call is refused."""
+    _skip_without_onednn(torch.bfloat16)
+    _amx_rows_or_skip(768)
+    torch.manual_seed(0)
+    kernel = OneDNNDenseKernel(torch.randn(256, 768, dtype=torch.bfloat16), None)
+    if not kernel.gemv_address or not kernel.gemv_address & kernels.LAYOUT32:
+        pytest.skip("oneDNN packed this bf16 weight in 64-column blocks here, not AMX's")
+    assert kernel.gemv_address & kernels.AMX and kernel.gemv_max_rows == 16
+    # K = 784 (784 % 32 = 16): oneDNN pads such a K, so the GEMV never sees it; by hand
+    odd = torch.zeros(256 // 32, 784 // 2, 32, 2, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="AMX tiles take"):
+        kernels.native_ops().packed_linear(
+            torch.randn(2, 784, dtype=torch.bfloat16),
+            kernels.tag_layout32(odd.data_ptr()) | kernels.AMX,
+            256,
+            None,
+        )
+    monkeypatch.setenv("STEADYLM_CPU_AMX_GEMV", "off")
+    off = OneDNNDenseKernel(torch.randn(256, 768, dtype=torch.bfloat16), None)
+    assert not off.gemv_address & kernels.AMX and off.gemv_max_rows == kernels.LAYOUT32_MAX_ROWS
 
 
 @needs_onednn

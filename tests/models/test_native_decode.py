@@ -77,6 +77,40 @@ def test_quantized_caches_take_the_native_layers_too(quant_policy, dirs, monkeyp
         assert a.output_logprobs == b.output_logprobs
 
 
+def test_bf16_batches_of_up_to_16_rows_match_the_modules_bit_for_bit(dirs, monkeypatch):
+    """bf16 decode steps of 12 rows: on an AMX machine every linear runs the AMX GEMV (up to
+    16 rows), elsewhere the vector GEMV or oneDNN's matmul, inside the native call as in the
+    modules: the same tokens and logprob floats either way."""
+    from steadylm.layers.linear import OneDNNDenseKernel
+
+    if not OneDNNDenseKernel.supports(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN cannot prepack bf16 on this CPU (it needs AVX512BW/VL/DQ)")
+    _, path = dirs("llama")
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i)] for i in range(12)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
+    outs, rows = {}, []
+    for layers in ("native", "modules"):
+        monkeypatch.setenv("STEADYLM_CPU_DECODE_LAYERS", layers)
+        engine = engine_for(path, dtype="bfloat16")
+        model = engine.runner.model.model
+        real = model._native_decode
+
+        def spy(x, cache, md, real=real):
+            plan = real(x, cache, md)
+            if plan is not None:
+                rows.append((x.shape[0], plan.gemv_rows))
+            return plan
+
+        monkeypatch.setattr(model, "_native_decode", spy)
+        outs[layers] = engine.generate(prompts, params)
+    assert (12, rows[0][1]) in rows  # the native call ran the 12-row steps
+    if kernels.native_ops().packed_linear_amx_rows(128):  # AMX here: its GEMV took them
+        assert rows[0][1] == 16
+    for a, b in zip(outs["native"], outs["modules"]):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == b.output_logprobs
+
+
 def test_the_native_layers_leave_larger_batches_to_onednn_where_the_gemv_does(dirs, monkeypatch):
     """Where the GEMV takes fewer rows than the native call (bf16 in AMX's 32-column layout:
     2), the call runs oneDNN's matmul on the packed weights for larger batches. Forced here in
