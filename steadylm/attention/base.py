@@ -48,6 +48,9 @@ class AttentionMetadata:
     # Tokens at the end of the flat batch that are padding (a CUDA graph bucket's spare rows):
     # their slots are -1 and they write nowhere.
     num_padded_tokens: int = 0
+    # The blocks that requests took since the last step (the model runner's), the only ones
+    # a table can name for the first time; None: any entry may be (a backend checks them all).
+    new_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -110,6 +113,8 @@ class AttentionBackend(ABC):
         for t in (cache.k, cache.v, cache.k_scale_zero, cache.v_scale_zero):
             if t is not None:  # pages fault in as huge pages once used (CPU; a no-op elsewhere)
                 platform.advise_huge_pages(t)
+                t[:, 0].zero_()  # block 0: the tables' padding entry, read (masked) from the start
+        cache.initialized[0] = True
         return cache
 
     def prepare(self, metadata: AttentionMetadata, cache: KVCache) -> None:

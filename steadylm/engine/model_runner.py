@@ -140,6 +140,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.sliding_window = model.cfg.sliding_window
         self.requests: dict[str, RunnerRequest] = {}
+        # Blocks the requests took since the last step's backend.prepare: the only ones a
+        # table can name for the first time (AttentionMetadata.new_block_ids).
+        self._new_blocks: list[int] = []
         self._model_seconds = 0.0
         self._timers: list[_Timer] = []  # steps whose GPU work may not have finished yet
         # True while the forward may be inside a collective: a fault there leaves the other
@@ -217,6 +220,7 @@ class ModelRunner:
         for rid in contract.preempted_ids:  # resumes as new; its seeded generator stays
             self.requests.pop(rid, None)
         for r in contract.new:
+            self._new_blocks += r.block_ids
             self.requests[r.request_id] = RunnerRequest(
                 r.request_id,
                 list(r.token_ids),
@@ -230,6 +234,7 @@ class ModelRunner:
             req = self.requests[r.request_id]
             req.all_token_ids += r.new_token_ids
             req.block_ids += r.new_block_ids
+            self._new_blocks += r.new_block_ids
             req.num_computed_tokens = r.num_computed_tokens
         for rid, _ in contract.scheduled:  # kept with the request: a retried step reuses it
             self.requests[rid].token_bitmask = contract.token_bitmask.get(rid)
@@ -291,7 +296,9 @@ class ModelRunner:
         ids, positions, md = self._prepare(order)
         if timer is not None:
             timer.restart()
+        md.new_block_ids = self._new_blocks
         self.backend.prepare(md, self.kv_cache)
+        self._new_blocks = []  # (kept if prepare raised: a retried step checks them again)
         return self.model(ids, positions, self.backend, self.kv_cache, md)
 
     def _score_prompt_positions(self, order: list[_Row], starts: list[int], hidden) -> None:
