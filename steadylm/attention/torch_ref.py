@@ -160,7 +160,10 @@ class TorchAttentionBackend(AttentionBackend):
                     out_rows = t["slice"] if t["slice"] is not None else t["out_index"]
                     out[out_rows] = _decode_attention(q[out_rows], k, v, t["mask"], scale)
                     continue
-                qp = q[t["q_index"]]  # (S, Q, H, D)
+                if t["whole"]:  # (S * Q, H, D) rows in order: a view, not a gather
+                    qp = q[t["slice"]].unflatten(0, (-1, t["ctx"]))
+                else:
+                    qp = q[t["q_index"]]  # (S, Q, H, D)
                 if t["prefix"] and q.dtype in (torch.float32, torch.bfloat16):
                     o = _prefix_then_causal(qp, k, v, t["prefix"], scale)
                     out[t["out_index"]] = o[t["q_valid"]]
@@ -174,7 +177,10 @@ class TorchAttentionBackend(AttentionBackend):
                     scale=scale,
                     enable_gqa=k.shape[2] != qp.shape[2],
                 ).transpose(1, 2)  # (S, Q, H, D)
-                out[t["out_index"]] = o[t["q_valid"]]
+                if t["whole"]:  # one strided copy into place
+                    out[t["slice"]].unflatten(0, (-1, t["ctx"])).copy_(o)
+                else:
+                    out[t["out_index"]] = o[t["q_valid"]]
         return out
 
 
@@ -360,6 +366,9 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
         and bool((host_q == max_q).all())
         and bool((host_ctx == max_q).all())
     )
+    # Every sequence of the group, in order, each a fresh prompt of max_q tokens: the tile's
+    # query rows are the group's flat slice as they stand (no gather, no scatter back).
+    whole = causal and seqs == list(range(len(g.query_lens)))
     prefix = int(host_ctx[0] - host_q[0]) if len(seqs) == 1 else 0
     split = (
         device.type == "cpu"
@@ -371,9 +380,10 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     return {
         "prefix": prefix if split else 0,
         "decode": max_q == 1,
-        "slice": slice(g.token_start, g.token_end) if in_order else None,
+        "slice": slice(g.token_start, g.token_end) if in_order or whole else None,
         "ctx": max_ctx if single or causal else None,
         "causal": causal,
+        "whole": whole,
         "blocks": blocks,
         "mask": None if single or causal else mask[:, None],
         "q_valid": q_valid,
