@@ -91,11 +91,12 @@ class LLMEngine:
         if device.type == "cpu":
             platform.tune_cpu_allocator()
             # Built (once per machine) or loaded now, not inside the first request's step; a
-            # bad STEADYLM_CPU_DECODE_LAYERS fails here too.
+            # bad STEADYLM_CPU_DECODE_LAYERS or STEADYLM_CPU_AMX_GEMV fails here too.
             logger.info(
-                "CPU kernels: %s; decode layers: %s",
+                "CPU kernels: %s; decode layers: %s; AMX GEMV: %s",
                 kernels.status(),
                 platform.cpu_decode_layers(),
+                platform.cpu_amx_gemv(),
             )
         elif device.type == "cuda":  # a bad STEADYLM_CUDA_KERNELS fails here, not in a step
             logger.info("CUDA small-op kernels: %s", platform.cuda_kernels())

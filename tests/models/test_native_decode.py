@@ -158,10 +158,11 @@ def test_a_model_it_does_not_cover_takes_the_modules(dirs, monkeypatch):
     assert reqs[0].output_token_ids == hf_greedy(hf, PROMPTS[0], 30)
 
 
-def test_a_bad_switch_value_fails_at_start_up(dirs, monkeypatch):
+@pytest.mark.parametrize("switch", ["STEADYLM_CPU_DECODE_LAYERS", "STEADYLM_CPU_AMX_GEMV"])
+def test_a_bad_switch_value_fails_at_start_up(dirs, monkeypatch, switch):
     from steadylm.errors import ConfigError
 
     _, path = dirs("llama")
-    monkeypatch.setenv("STEADYLM_CPU_DECODE_LAYERS", "fused")
-    with pytest.raises(ConfigError, match="STEADYLM_CPU_DECODE_LAYERS"):
+    monkeypatch.setenv(switch, "fused")
+    with pytest.raises(ConfigError, match=switch):
         engine_for(path)
