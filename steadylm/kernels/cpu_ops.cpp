@@ -302,8 +302,29 @@ at::Tensor argmax(const at::Tensor& x) {
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotary_row(T* r, const T* c, const T* s,
                                                              int64_t half) {
+  int64_t done = 0;
+  // 2 * kVec lanes at a time (bf16: the scalar loop below did not vectorize its roundings;
+  // a 16 x 256 bf16 prefill's rotary took 1.9 ms a layer). Same operations, same order:
+  // -x2 * s is -(x2 * s) exactly, and a - b is a + (-b).
+  for (; done + kVec2 <= half; done += kVec2) {
+    const int64_t j = done;
+    auto [x1a, x1b] = load2(r + j);
+    auto [x2a, x2b] = load2(r + j + half);
+    auto [cla, clb] = load2(c + j);
+    auto [cha, chb] = load2(c + j + half);
+    auto [sla, slb] = load2(s + j);
+    auto [sha, shb] = load2(s + j + half);
+    Vec a1 = x1a * cla, b1 = x1b * clb, a2 = x2a * sla, b2 = x2b * slb;
+    Vec a3 = x2a * cha, b3 = x2b * chb, a4 = x1a * sha, b4 = x1b * shb;
+    round2<T>(a1, b1);
+    round2<T>(a2, b2);
+    round2<T>(a3, b3);
+    round2<T>(a4, b4);
+    store2(r + j, a1 - a2, b1 - b2);
+    store2(r + j + half, a3 + a4, b3 + b4);
+  }
 #pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
+  for (int64_t j = done; j < half; ++j) {
     const float x1 = to_f(r[j]), x2 = to_f(r[j + half]);
     const float lo = round_to<T>(x1 * to_f(c[j])) + round_to<T>(-x2 * to_f(s[j]));
     const float hi = round_to<T>(x2 * to_f(c[j + half])) + round_to<T>(x1 * to_f(s[j + half]));
