@@ -795,7 +795,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const float sc = static_cast<float>(scale);
   constexpr int64_t kMinSpan = 64;
   constexpr bool kInPlace = std::is_same<T, float>::value;
-  const bool vector_d = scores_and_values(D, [](auto) {});  // the vector passes take D
   const int64_t threads = at::get_num_threads();
   // Enough (sequence, span) items that every thread gets the same number: a batch smaller
   // than a few per thread splits each context into threads / gcd(S, threads) spans.
@@ -805,7 +804,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   std::vector<float> psum(S * spans * H, 0.f), pacc(S * spans * H * D, 0.f);
   at::parallel_for(0, S * spans, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(H * D), p(H * kChunk), part(H * kVec * kVec), kbuf, vbuf;
-    if (!kInPlace && !vector_d) kbuf.resize(kChunk * row), vbuf.resize(kChunk * row);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t s = item / spans, span = item % spans;
       const int64_t ctx = lp[s];
@@ -847,14 +845,17 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
           value_rows<NV>(acc, p.data(), kChunk, v, row, n, hkv, G, vp + next_slot * row, ahead);
         });
         if (!fast) {  // a head_dim the vector passes do not take: key by key, head by head
-          const float* kf = kbuf.data();
-          const float* vf = vbuf.data();
+          const float* kf;
+          const float* vf;
           if constexpr (kInPlace) {
             kf = k;
             vf = v;
-          } else {
+          } else {  // fp32 copies, in buffers taken the first time
+            if (kbuf.empty()) kbuf.resize(kChunk * row), vbuf.resize(kChunk * row);
             to_float(k, kbuf.data(), n * row, kp + next_slot * row, ahead * row);
             to_float(v, vbuf.data(), n * row, vp + next_slot * row, ahead * row);
+            kf = kbuf.data();
+            vf = vbuf.data();
           }
           for (int64_t t = 0; t < n; ++t)
             for (int64_t h = 0; h < H; ++h)
@@ -1644,6 +1645,19 @@ struct Tile {
 constexpr int64_t kLayout32 = 1;  // tags a weight address whose bf16 blocks are 32 columns
 constexpr int64_t kAmx = 2;  // tags one (32-column blocks) whose GEMV runs AMX's tiles
 
+// A bf16 GEMV's outputs for m rows of one 64-column block at col: sums (fp32, row stride ld)
+// + bias in fp32, one rounding to bf16, into y (row stride n).
+inline void store_bf16_outputs(const float* sums, int64_t ld, int64_t m,
+                               const c10::BFloat16* bias, int64_t col, c10::BFloat16* y,
+                               int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < 64; ++j) {
+      float v = sums[r * ld + j];
+      if (bias) v += static_cast<float>(bias[col + j]);
+      y[r * n + col + j] = static_cast<c10::BFloat16>(v);
+    }
+}
+
 // A tile's software prefetch into L2 (the Fetch template argument): kAhead, kPrefetch elements
 // ahead of its own weights (a block's only tile, which streams them from memory once); n > 0,
 // n lines of Tile::pf per K step (its share of the next K chunk, see packed_gemm); 0, none.
@@ -1750,15 +1764,10 @@ __attribute__((noinline)) void gemv_tile(const Tile<c10::BFloat16>& a) {
     }
   }
   if (i1 < k) return keep_acc<M>(acc, a.part);
-  float buf[kPackBlock];
-  for (int m = 0; m < M; ++m) {
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(buf + 16 * v, acc[m][v]);
-    for (int64_t j = 0; j < kPackBlock; ++j) {
-      float r = buf[j];
-      if (a.bias) r += static_cast<float>(a.bias[a.col + j]);
-      a.y[m * a.n + a.col + j] = static_cast<c10::BFloat16>(r);
-    }
-  }
+  float buf[M * kPackBlock];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(buf + m * kPackBlock + 16 * v, acc[m][v]);
+  store_bf16_outputs(buf, kPackBlock, M, a.bias, a.col, a.y, a.n);
 }
 #else
 constexpr bool kPackedBf16 = false;
@@ -1942,12 +1951,7 @@ void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
       _tile_stored(4, buf + 16, kPackBlock * 4);
       _tile_stored(5, buf + 32, kPackBlock * 4);
       _tile_stored(6, buf + 48, kPackBlock * 4);
-      for (int64_t r = 0; r < m; ++r)  // + bias in fp32, one rounding, as gemv_tile's
-        for (int64_t j = 0; j < kPackBlock; ++j) {
-          float v = buf[r * kPackBlock + j];
-          if (bias) v += static_cast<float>(bias[b * kPackBlock + j]);
-          y[r * n + b * kPackBlock + j] = static_cast<c10::BFloat16>(v);
-        }
+      store_bf16_outputs(buf, kPackBlock, m, bias, b * kPackBlock, y, n);
     }
     _tile_release();
   });
