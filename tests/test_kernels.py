@@ -121,6 +121,36 @@ def test_store_kv_writes_the_reference_codes_bit_for_bit(dtype, bits, head_dim):
     assert torch.equal(cache, before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0}])
+def test_rotary_table_rows_are_the_computed_cos_sin_bit_for_bit(dtype, rope):
+    """On the CPU cos/sin come from a table of the positions seen so far, grown by doubling:
+    each row is what computing that position alone gives (a scaled rope's factor included),
+    before and after the table grows, for positions in any order and repeated."""
+    from transformers import LlamaConfig
+
+    from steadylm.layers.rotary import RotaryEmbedding
+
+    params = {"rope_theta": 10000.0, "rope_type": "default"}
+    if rope:
+        params = {**params, **rope, "original_max_position_embeddings": 256}
+    hf = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=4096,
+        rope_parameters=params,
+    )  # fmt: skip
+    rot = RotaryEmbedding(hf, 64)
+    assert (rot.scale != 1.0) == bool(rope)
+    for positions in ([3, 0, 255, 3], [256, 1000, 7], [4095, 1, 2048]):
+        pos = torch.tensor(positions)
+        cos, sin = rot.cos_sin(pos, dtype, max(positions) + 1)
+        want_cos, want_sin = rot.compute(pos, dtype)
+        assert cos.shape == want_cos.shape == (len(positions), 1, 64)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert rot.tables[dtype].shape[0] >= max(positions) + 1
+    with pytest.raises(IndexError):  # a position past a bound given too low: no silent row
+        rot.cos_sin(torch.tensor([rot.tables[dtype].shape[0]]), dtype, 1)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "head_dim"), [(6, 16), (14, 64), (3, 80), (2, 6)])

@@ -1,8 +1,10 @@
 """Rotary position embeddings (rotate-half layout, as HF Llama/Qwen).
 
 The inverse frequencies come from transformers' own RoPE init functions for scaled variants
-(llama3, linear, yarn, ...), so they match HF exactly. cos/sin are computed per step for the
-step's positions only: no table of max_position_embeddings rows is kept.
+(llama3, linear, yarn, ...), so they match HF exactly. On the CPU cos/sin come from a table of
+the positions seen so far (grown by doubling, never to max_position_embeddings up front); on
+other devices they are computed per step for the step's positions (a CUDA graph captures the
+ops, and a table that grew would move under it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ def inv_freq_and_scale(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, flo
     return inv.float(), float(scale)
 
 
+# The table is computed in parts this many positions long: each part's ops stay under
+# TensorIterator's grain (32,768 elements at head_dim <= 128), so every element goes through
+# the vectorized cos / sin, as a step's few positions do (a thread split of a longer range
+# could leave a chunk's tail to the scalar function).
+_TABLE_PART = 256
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -54,10 +63,31 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.scale = inv_freq_and_scale(hf_config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.tables: dict[torch.dtype, torch.Tensor] = {}  # CPU: (positions, 2, D) cos | sin
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, D) in dtype for positions (T,); `upto`: a bound the caller knows
+        (every position < upto), else read from positions. On the CPU two views of one row
+        gather from the table (a decode step's ~8 small ops were ~0.2 ms, its caches cold from
+        the weights' stream); the table's rows are `compute`'s, element for element."""
+        if not positions.is_cpu:
+            return self.compute(positions, dtype)
+        need = int(positions.max()) + 1 if upto is None else upto
+        table = self.tables.get(dtype)
+        if table is None or table.shape[0] < need:
+            size = max(need, 2 * (0 if table is None else table.shape[0]))
+            size = -(-size // _TABLE_PART) * _TABLE_PART
+            parts = [
+                torch.cat(self.compute(torch.arange(lo, lo + _TABLE_PART), dtype), dim=1)
+                for lo in range(0, size, _TABLE_PART)
+            ]
+            table = self.tables[dtype] = torch.cat(parts)  # (size, 2, D)
+        rows = table.index_select(0, positions)
+        return rows[:, :1], rows[:, 1:]
+
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions[:, None].float() * self.inv_freq  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -135,7 +135,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids, positions, backend, cache, md):
         x = self.embed_tokens(ids)  # (T, C)
-        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, for every layer
+        upto = max(g.max_context_len for g in md.groups)  # every position is below it
+        rope = self.rotary.cos_sin(positions, x.dtype, upto)  # once per step, for every layer
         plan = self._native_decode(x, cache, md)
         if plan is not None:
             x, residual = plan.run(x, rope, cache, md)
