@@ -112,11 +112,12 @@ inline void round2(Vec& a, Vec& b) {
 // The sum of squares goes in 2 * kVec lanes, then across them: a row's bits depend only on
 // the row (every path, prefill or decode, module or one-call step, runs this code). Summed
 // element by element each row was a chain of c dependent adds: 4096 rows of 768 took 2.6-3.3
-// ms (fp32 and bf16) on 2 threads of an Intel Xeon with AMX.
+// ms (fp32 and bf16) on 2 threads of an Intel Xeon with AMX. A decode step's 16 rows are two
+// threads' 8 (in one chunk of 16 the other thread waited, 24 times a step).
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t c,
                    double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(c);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * c;
@@ -684,15 +685,24 @@ inline void value_pass(float* acc, const float* p, int64_t ldp, const KT* v, int
   VReg a[GB][NV];
   for (int j = 0; j < GB; ++j)
     for (int i = 0; i < NV; ++i) a[j][i] = Vec::loadu(acc + (h0 + j) * NV * kVec + i * kVec);
-  for (int64_t t = 0; t < n; ++t) {
-    Vec vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = loadv(v + t * row + i * kVec);
-    prefetch_row_part<NV>(next, t, ahead, row);
-    for (int j = 0; j < GB; ++j) {
-      const Vec w(p[(h0 + j) * ldp + t]);
-      for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], Vec(a[j][i]));
+  // The loop twice, with and without the prefetches: under a branch inside it GCC stored
+  // every accumulator to the stack each row (12 stores a row at head_dim 64: the pass ran
+  // at the store port's rate, not the FMAs').
+  const auto rows = [&](auto prefetch) {
+    for (int64_t t = 0; t < n; ++t) {
+      Vec vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = loadv(v + t * row + i * kVec);
+      if constexpr (decltype(prefetch)::value) prefetch_row_part<NV>(next, t, ahead, row);
+      for (int j = 0; j < GB; ++j) {
+        const Vec w(p[(h0 + j) * ldp + t]);
+        for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], Vec(a[j][i]));
+      }
     }
-  }
+  };
+  if (next)
+    rows(std::true_type{});
+  else
+    rows(std::false_type{});
   for (int j = 0; j < GB; ++j)
     for (int i = 0; i < NV; ++i) Vec(a[j][i]).store(acc + (h0 + j) * NV * kVec + i * kVec);
 }
@@ -1875,6 +1885,38 @@ inline std::pair<int, int64_t> next_chunk_share(int64_t tiles, int64_t t, int64_
   return {0, 0};
 }
 
+// Runs body(claim) once on each of up to `threads` pool threads (fewer for a short range);
+// claim(b0, b1) hands out the next chunk [b0, b1) of [0, n), false once none is left. Chunks
+// shrink as the range drains (guided: a share of what is left, at least 1), so the threads
+// end within about one item of each other. A static split of a memory-bound GEMV's blocks
+// left each of 2 threads waiting ~10% of a decode step at the regions' end barriers (each
+// got the same bytes, not the same share of the memory's rate); the chunk a thread takes
+// is still consecutive blocks, and an item's result does not depend on the thread.
+template <typename F>
+void parallel_claims(int64_t n, F&& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    bool given = false;
+    body([&](int64_t& b0, int64_t& b1) {
+      if (given || n <= 0) return false;
+      given = true, b0 = 0, b1 = n;
+      return true;
+    });
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  const auto claim = [&](int64_t& b0, int64_t& b1) {
+    int64_t cur = next.load(std::memory_order_relaxed), take;
+    do {
+      if (cur >= n) return false;
+      take = std::max<int64_t>(1, (n - cur) / (2 * threads));
+    } while (!next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed));
+    b0 = cur, b1 = cur + take;
+    return true;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(claim); });
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---- bf16 in AMX's 32-column blocks, through AMX's tiles -----------------------------------
 // oneDNN's AMX matmul costs about the same from 1 to 16 rows but streamed a decode step's
@@ -1914,7 +1956,7 @@ struct alignas(64) TileConfig {
 // Tiles: 0 A, 1-2 B, 3-6 C.
 void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
               c10::BFloat16* y, int64_t m, int64_t n, int64_t k) {
-  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+  parallel_claims(n / kPackBlock, [&](auto&& claim) {
     TileConfig cfg;
     cfg.rows[0] = static_cast<uint8_t>(m);
     cfg.colsb[0] = kAmxK * 2;
@@ -1928,30 +1970,32 @@ void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
     }
     _tile_loadconfig(&cfg);
     alignas(64) float buf[kAmxRows * kPackBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      const c10::BFloat16* s0 = w + b * k * kPackBlock;  // columns 0-31: (K / 2, 32, 2)
-      const c10::BFloat16* s1 = s0 + 32 * k;             // columns 32-63
-      _tile_zero(3);
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      for (int64_t i = 0; i < k; i += kAmxK) {
-        const int64_t off = i * 32;  // K pair i / 2's row of 32 pairs
-        _tile_loadd(0, x + i, k * 2);
-        _tile_loadd(1, s0 + off, 128);
-        _tile_dpbf16ps(3, 0, 1);
-        _tile_loadd(2, s0 + off + 32, 128);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(1, s1 + off, 128);
-        _tile_dpbf16ps(5, 0, 1);
-        _tile_loadd(2, s1 + off + 32, 128);
-        _tile_dpbf16ps(6, 0, 2);
+    for (int64_t b0, b1; claim(b0, b1);) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const c10::BFloat16* s0 = w + b * k * kPackBlock;  // columns 0-31: (K / 2, 32, 2)
+        const c10::BFloat16* s1 = s0 + 32 * k;             // columns 32-63
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int64_t i = 0; i < k; i += kAmxK) {
+          const int64_t off = i * 32;  // K pair i / 2's row of 32 pairs
+          _tile_loadd(0, x + i, k * 2);
+          _tile_loadd(1, s0 + off, 128);
+          _tile_dpbf16ps(3, 0, 1);
+          _tile_loadd(2, s0 + off + 32, 128);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_loadd(1, s1 + off, 128);
+          _tile_dpbf16ps(5, 0, 1);
+          _tile_loadd(2, s1 + off + 32, 128);
+          _tile_dpbf16ps(6, 0, 2);
+        }
+        _tile_stored(3, buf, kPackBlock * 4);
+        _tile_stored(4, buf + 16, kPackBlock * 4);
+        _tile_stored(5, buf + 32, kPackBlock * 4);
+        _tile_stored(6, buf + 48, kPackBlock * 4);
+        store_bf16_outputs(buf, kPackBlock, m, bias, b * kPackBlock, y, n);
       }
-      _tile_stored(3, buf, kPackBlock * 4);
-      _tile_stored(4, buf + 16, kPackBlock * 4);
-      _tile_stored(5, buf + 32, kPackBlock * 4);
-      _tile_stored(6, buf + 48, kPackBlock * 4);
-      store_bf16_outputs(buf, kPackBlock, m, bias, b * kPackBlock, y, n);
     }
     _tile_release();
   });
@@ -1970,44 +2014,46 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
   const bool chunked = kChunkedTiles && m > 1;
   const int64_t kc = chunked ? kChunkBytes / (kPackBlock * int64_t(sizeof(T))) : k;
   const int64_t per_step = 4 / int64_t(sizeof(T));  // K elements a step takes (lines: 4)
-  at::parallel_for(0, n / kPackBlock, 1, [&](int64_t b0, int64_t b1) {
+  parallel_claims(n / kPackBlock, [&](auto&& claim) {
     std::vector<float> part(chunked ? m * kPackBlock : 0);
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t i0 = 0; i0 < k; i0 += kc) {
-        const int64_t i1 = std::min(k, i0 + kc), steps = (i1 - i0) / per_step;
-        // The next chunk (none past the thread's last block), shared out among the tiles.
-        const bool next = chunked && !(b + 1 == b1 && i1 == k);
-        const char* pf = reinterpret_cast<const char*>(w + (b * k + i1) * kPackBlock);
-        int64_t r0 = 0;
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
-          const auto share = next ? next_chunk_share(tiles, t, steps)
-                                  : std::pair<int, int64_t>{!chunked && t == 0 ? kAhead : 0, 0};
-          const int fetch = share.first;
-          const int64_t line = share.second;
-          Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
-                    b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
-                    pf + line * 64};
-          if (cols32) {  // two streams of 32 columns; the next chunk's lines in both
-            const int64_t nb = i1 < k ? b : b + 1, ni = i1 < k ? i1 : 0;
-            const T* next_a = w + nb * k * kPackBlock + ni * 32;
-            a.step = 32;
-            a.half = 32 * k;
-            a.pf = reinterpret_cast<const char*>(next_a) + line * 64;
-            a.pf_b = reinterpret_cast<const char*>(next_a + 32 * k);
-            a.pf_split = 2 * steps - line;
+    for (int64_t b0, b1; claim(b0, b1);) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t i0 = 0; i0 < k; i0 += kc) {
+          const int64_t i1 = std::min(k, i0 + kc), steps = (i1 - i0) / per_step;
+          // The next chunk (none past the claim's last block), shared out among the tiles.
+          const bool next = chunked && !(b + 1 == b1 && i1 == k);
+          const char* pf = reinterpret_cast<const char*>(w + (b * k + i1) * kPackBlock);
+          int64_t r0 = 0;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
+            const auto share = next ? next_chunk_share(tiles, t, steps)
+                                    : std::pair<int, int64_t>{!chunked && t == 0 ? kAhead : 0, 0};
+            const int fetch = share.first;
+            const int64_t line = share.second;
+            Tile<T> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
+                      b * kPackBlock, i0, i1, part.data() + r0 * kPackBlock,
+                      pf + line * 64};
+            if (cols32) {  // two streams of 32 columns; the next chunk's lines in both
+              const int64_t nb = i1 < k ? b : b + 1, ni = i1 < k ? i1 : 0;
+              const T* next_a = w + nb * k * kPackBlock + ni * 32;
+              a.step = 32;
+              a.half = 32 * k;
+              a.pf = reinterpret_cast<const char*>(next_a) + line * 64;
+              a.pf_b = reinterpret_cast<const char*>(next_a + 32 * k);
+              a.pf_split = 2 * steps - line;
+            }
+            by_rows(rows, [&](auto r) {
+              constexpr int R = decltype(r)::value;
+              if (fetch == kAhead) gemv_tile<R, kAhead>(a);
+              else if constexpr (kChunkedTiles) {
+                if (fetch == 4) gemv_tile<R, 4>(a);
+                else if (fetch == 2) gemv_tile<R, 2>(a);
+                else if (fetch == 1) gemv_tile<R, 1>(a);
+                else gemv_tile<R, 0>(a);
+              } else gemv_tile<R, 0>(a);
+            });
+            r0 += rows;
           }
-          by_rows(rows, [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            if (fetch == kAhead) gemv_tile<R, kAhead>(a);
-            else if constexpr (kChunkedTiles) {
-              if (fetch == 4) gemv_tile<R, 4>(a);
-              else if (fetch == 2) gemv_tile<R, 2>(a);
-              else if (fetch == 1) gemv_tile<R, 1>(a);
-              else gemv_tile<R, 0>(a);
-            } else gemv_tile<R, 0>(a);
-          });
-          r0 += rows;
         }
       }
     }
