@@ -55,6 +55,30 @@ def test_fused_add_rms_norm_updates_the_residual_in_place(dtype):
 
 
 @needs_native
+def test_bf16_results_keep_denormals_as_torch_does():
+    """bf16 outputs go through one AVX512-BF16 conversion where the CPU has it, which flushes
+    denormals; a vector holding one takes ATen's rounding: rotary's and the residual sum's
+    bits stay torch's, denormals included (and normal values around them)."""
+    from steadylm.layers.rotary import RotaryEmbedding, rotate_ref
+
+    torch.manual_seed(0)
+    tiny = torch.finfo(torch.bfloat16).tiny  # the smallest normal
+    cfg = type("Cfg", (), {"rope_theta": 10000.0})()
+    cos, sin = RotaryEmbedding(cfg, 64).cos_sin(torch.arange(8), torch.bfloat16)
+    x = (torch.randn(8, 4, 64) * tiny * 4).bfloat16()
+    x[::2] = torch.randn(4, 4, 64).bfloat16()  # rows of normal values beside them
+    want = rotate_ref(x.clone(), cos, sin)
+    assert ((want != 0) & (want.abs() < tiny)).any()  # the case is exercised
+    assert torch.equal(ops.rotary_(x, cos, sin), want)
+    a = (torch.randn(4, 64) * tiny).bfloat16()
+    b = (torch.randn(4, 64) * tiny).bfloat16()
+    total = a + b
+    assert ((total != 0) & (total.abs() < tiny)).any()
+    _, res = kernels.fused_add_rms_norm(a, b, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(res, total)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype):
     torch.manual_seed(0)
