@@ -173,6 +173,13 @@ def test_rotary_table_rows_are_the_computed_cos_sin_bit_for_bit(dtype, rope):
         assert rot.tables[dtype].shape[0] >= max(positions) + 1
     with pytest.raises(IndexError):  # a position past a bound given too low: no silent row
         rot.cos_sin(torch.tensor([rot.tables[dtype].shape[0]]), dtype, 1)
+    size = rot.tables[dtype].shape[0]
+    far = torch.tensor([9000, 5, 70000])  # past the table's cap: computed, the table as it was
+    cos, sin = rot.cos_sin(far, dtype)
+    assert torch.equal(cos, rot.compute(far, dtype)[0]) and torch.equal(
+        sin, rot.compute(far, dtype)[1]
+    )
+    assert rot.tables[dtype].shape[0] == size <= 8192
 
 
 @needs_native

@@ -2,9 +2,9 @@
 
 The inverse frequencies come from transformers' own RoPE init functions for scaled variants
 (llama3, linear, yarn, ...), so they match HF exactly. On the CPU cos/sin come from a table of
-the positions seen so far (grown by doubling, never to max_position_embeddings up front); on
-other devices they are computed per step for the step's positions (a CUDA graph captures the
-ops, and a table that grew would move under it).
+the positions seen so far (grown by doubling, at most 8192 positions); past it, and on other
+devices, they are computed per step for the step's positions (a CUDA graph captures the ops,
+and a table that grew would move under it).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def inv_freq_and_scale(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, flo
 # the vectorized cos / sin, as a step's few positions do (a thread split of a longer range
 # could leave a chunk's tail to the scalar function).
 _TABLE_PART = 256
+# The table's most positions (8 MiB at head_dim 128 in fp32): a step past them computes its
+# cos / sin as CUDA does (~0.15 ms, against a decode step of tens of ms at such contexts),
+# so the memory the plan does not count stays small and bounded.
+_TABLE_MAX = 8192
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,13 +76,14 @@ class RotaryEmbedding(nn.Module):
         (every position < upto), else read from positions. On the CPU two views of one row
         gather from the table (a decode step's ~8 small ops were ~0.2 ms, its caches cold from
         the weights' stream); the table's rows are `compute`'s, element for element."""
-        if not positions.is_cpu:
+        if upto is None:
+            upto = int(positions.max()) + 1 if positions.numel() else 0
+        if not positions.is_cpu or upto > _TABLE_MAX:
             return self.compute(positions, dtype)
-        need = int(positions.max()) + 1 if upto is None else upto
         table = self.tables.get(dtype)
-        if table is None or table.shape[0] < need:
-            size = max(need, 2 * (0 if table is None else table.shape[0]))
-            size = -(-size // _TABLE_PART) * _TABLE_PART
+        if table is None or table.shape[0] < upto:
+            size = max(upto, 2 * (0 if table is None else table.shape[0]))
+            size = min(-(-size // _TABLE_PART) * _TABLE_PART, _TABLE_MAX)
             parts = [
                 torch.cat(self.compute(torch.arange(lo, lo + _TABLE_PART), dtype), dim=1)
                 for lo in range(0, size, _TABLE_PART)
