@@ -699,7 +699,7 @@ inline void value_pass(float* acc, const float* p, int64_t ldp, const KT* v, int
     for (int i = 0; i < NV; ++i) a[j][i] = Vec::loadu(acc + (h0 + j) * NV * kVec + i * kVec);
   // The loop twice, with and without the prefetches: under a branch inside it GCC stored
   // every accumulator to the stack each row (12 stores a row at head_dim 64; one thread over
-  // 16 x 256 cached rows in cache, 0.435 -> 0.41 ms a call).
+  // one layer of 16 x 256 cached rows, 4 MB, 0.435 -> 0.41 ms a call).
   const auto rows = [&](auto prefetch) {
     for (int64_t t = 0; t < n; ++t) {
       Vec vv[NV];
