@@ -357,7 +357,8 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     mask |= ~q_valid[:, :, None] & (ctx == 0)  # padded queries see one key, so no NaN rows
     starts = g.token_start + (torch.cumsum(g.query_lens, 0) - g.query_lens)[sel]  # (S,)
     q_index = (starts[:, None] + qpos[None, :]).clamp(max=g.token_end - 1)  # (S, Q) flat ids
-    in_order = seqs == list(range(len(g.query_lens))) and max_q == 1
+    every = seqs == list(range(len(g.query_lens)))  # the group's sequences, in order
+    in_order = every and max_q == 1
     single = len(seqs) == 1 and max_q == 1 and window is None
     # Fresh prompts of one length (no cached context): plain causal attention, no mask.
     causal = (
@@ -368,7 +369,7 @@ def _prepare_tile(g: AttentionGroup, seqs: list[int], block_size: int, window: i
     )
     # Every sequence of the group, in order, each a fresh prompt of max_q tokens: the tile's
     # query rows are the group's flat slice as they stand (no gather, no scatter back).
-    whole = causal and seqs == list(range(len(g.query_lens)))
+    whole = causal and every
     prefix = int(host_ctx[0] - host_q[0]) if len(seqs) == 1 else 0
     split = (
         device.type == "cpu"
