@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from steadylm.kernels import packed_linear_max_rows
 from steadylm.layers.linear import OneDNNDenseKernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,8 +48,9 @@ def main(argv=None) -> int:
     if any(k.gemv_address is None for k in kernels):
         print("the packed GEMV does not read this CPU's oneDNN layout: nothing to compare")
         return 1
-    if not 1 <= args.rows <= kernels[0].gemv_max_rows:
-        print(f"--rows must be 1 to {kernels[0].gemv_max_rows} (the GEMV's rows on this CPU)")
+    gemv_rows = packed_linear_max_rows(kernels[0].gemv_address, kernels[0].in_features)
+    if not 1 <= args.rows <= gemv_rows:  # fp32 above: the blocked GEMM, not the GEMV
+        print(f"--rows must be 1 to {gemv_rows} (the GEMV's rows on this CPU)")
         return 1
     xs = [torch.randn(args.rows, k.in_features).to(dtype) for k in kernels]
     nbytes = sum(n * k for n, k in shapes) * kernels[0].weight.element_size()

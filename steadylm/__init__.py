@@ -7,7 +7,13 @@ LMDeploy. Names are imported lazily, so `import steadylm` itself does no work.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# Before torch's first CPU allocation: its allocator then backs large buffers with transparent
+# huge pages (platform.torch_huge_pages says why; STEADYLM_CPU_HUGEPAGES=off leaves it alone).
+if os.environ.get("STEADYLM_CPU_HUGEPAGES", "on") != "off":
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 

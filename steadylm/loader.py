@@ -137,7 +137,11 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
             module.process_weights_after_loading()
     huge = sum(platform.advise_huge_pages(t) for t in _weight_tensors(model))
     if huge:
-        logger.info("transparent huge pages advised for %d MiB of weights", huge >> 20)
+        logger.info(
+            "transparent huge pages: advised for %d MiB of weights; torch's allocator: %s",
+            huge >> 20,
+            "on" if platform.torch_huge_pages() else "off",
+        )
 
 
 def _weight_tensors(model: nn.Module) -> Iterator[torch.Tensor]:

@@ -5,7 +5,9 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 - `STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, see `cpu_amx_gemv`.
-- `STEADYLM_CPU_HUGEPAGES`: `on` (default) or `off`, see `advise_huge_pages`.
+- `STEADYLM_CPU_HUGEPAGES`: `on` (default) or `off`, see `advise_huge_pages` and
+  `torch_huge_pages` (read once more where `import steadylm` runs: steadylm/__init__.py).
+- `STEADYLM_CPU_PREFILL_GEMM`: `native` (default) or `onednn`, see `cpu_prefill_gemm`.
 - `STEADYLM_CPU_DECODE_LAYERS`: `native` (default) or `modules`: a decode step's decoder
   layers in one native call (`kernels.decode_layers`), or module by module.
 - `STEADYLM_CUDA_KERNELS`: `triton` (default) or `torch`, the small-op kernels on CUDA
@@ -141,6 +143,13 @@ def cpu_gemm() -> str:
     return _choice("STEADYLM_CPU_GEMM", ("onednn", "torch"))
 
 
+def cpu_prefill_gemm() -> str:
+    """`STEADYLM_CPU_PREFILL_GEMM`: `native` (default) or `onednn`, what runs fp32 linears of
+    more rows than the GEMV takes (prefills, decode batches over 64): steadylm's blocked GEMM
+    over the same packed weight (`kernels.packed_linear`, AVX-512 CPUs) or oneDNN's matmul."""
+    return _choice("STEADYLM_CPU_PREFILL_GEMM", ("native", "onednn"))
+
+
 def cpu_allreduce() -> str:
     """'shm': tp ranks on one CPU machine all-reduce through shared memory; 'gloo': always gloo."""
     return _choice("STEADYLM_CPU_ALLREDUCE", ("shm", "gloo"))
@@ -231,6 +240,24 @@ def advise_huge_pages(t: torch.Tensor) -> int:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end - start if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
+
+
+def torch_huge_pages() -> bool:
+    """Whether torch's CPU allocator backs its buffers of 2 MiB and more with transparent huge
+    pages (torch's own `THP_MEM_ALLOC_ENABLE`: MADV_HUGEPAGE on each before its first touch).
+    `import steadylm` sets it unless `STEADYLM_CPU_HUGEPAGES` is `off` (a value the user set
+    is kept); torch reads it once, at its first CPU allocation (of any size), so a process
+    that made a CPU tensor before importing steadylm keeps 4 KiB pages.
+
+    A prefill's activations are tens of MB a tensor and a GEMM touches one 4 KiB page per
+    output row for every 64 columns, so in 4 KiB pages its loads and stores walk the page
+    tables (nested ones, in a VM) again and again: the fp32 blocked GEMM at 4096 x 768 x 2304
+    ran at 223-243 GFLOP/s with its operands in 4 KiB pages and 267-302 in 2 MiB ones (2
+    threads of an Intel Xeon with AMX). The weights and KV cache are advised at load too
+    (`advise_huge_pages`), but buffers already written wait for khugepaged, which merged ~10
+    MB of a 440 MB model in 20 s; torch's flag gives the weights huge pages as oneDNN packs
+    them (~720 MB of the bench model's process right after load)."""
+    return os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
 
 
 @functools.cache

@@ -69,3 +69,44 @@ def test_small_tensors_and_the_switch_advise_nothing(monkeypatch):
     monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "sometimes")
     with pytest.raises(Exception, match="STEADYLM_CPU_HUGEPAGES"):
         platform.advise_huge_pages(torch.empty(4 << 20))
+
+
+_CHILD = """
+import os, sys
+sys.path[:0] = [{root!r}]
+import steadylm, torch
+from tests.test_hugepages import _thp_eligible
+x = torch.ones(3 << 20)  # 12 MiB from torch's allocator, after `import steadylm`
+print(os.environ.get("THP_MEM_ALLOC_ENABLE"), _thp_eligible(x.data_ptr() + (6 << 20)))
+"""
+
+
+def _child(**env: str) -> list[str]:
+    """`import steadylm` in a fresh process with `env` (and no THP_MEM_ALLOC_ENABLE of this
+    one's): torch's flag as the child sees it, and whether a large tensor is THP-eligible."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    code = _CHILD.format(root=root)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@needs_thp
+def test_import_steadylm_gives_torchs_large_buffers_huge_pages():
+    """torch's allocator backs tensors of 2 MiB and more with huge pages once `import steadylm`
+    has run (platform.torch_huge_pages); STEADYLM_CPU_HUGEPAGES=off and a value the user set
+    leave torch's flag alone."""
+    assert _child(STEADYLM_CPU_HUGEPAGES="on") == ["1", "True"]
+    off = _child(STEADYLM_CPU_HUGEPAGES="off")
+    assert off[0] == "None"
+    kept = _child(STEADYLM_CPU_HUGEPAGES="on", THP_MEM_ALLOC_ENABLE="0")
+    assert kept[0] == "0"
+    if _thp_mode() == "madvise":  # not advised: not eligible (under "always" everything is)
+        assert off[1] == kept[1] == "False"

@@ -300,12 +300,17 @@ def tag_layout32(address: int) -> int:
 
 
 LAYOUT32_MAX_ROWS = 6
+UNBOUNDED_ROWS = 2**62  # packed_linear_max_rows: every row count (an int64 for decode_layers)
 
 
-def packed_linear_max_rows(address: int | None = None, k: int | None = None) -> int:
+def packed_linear_max_rows(
+    address: int | None = None, k: int | None = None, dtype: torch.dtype | None = None
+) -> int:
     """The most rows `packed_linear` takes in place of oneDNN's matmul: where it measured at
-    least as fast (64 with AVX-512, 4 with AVX2: batched decode and short prefills), 0 without
-    the native kernels. Larger batches stay on oneDNN's matmul, whose blocking wins there.
+    least as fast. Its GEMV's rows (64 with AVX-512, 4 with AVX2: batched decode and short
+    prefills), 0 without the native kernels; for a `dtype` of fp32 on an AVX-512 build any
+    count (UNBOUNDED_ROWS: past the GEMV's rows its blocked GEMM, see
+    `platform.cpu_prefill_gemm`). Other batches stay on oneDNN's matmul.
 
     For a weight at a tagged address (bf16 in 32-column blocks: oneDNN runs AMX there) with
     k input features: through AMX's tiles (tagged AMX, see `packed_linear_address`), one A
@@ -318,6 +323,13 @@ def packed_linear_max_rows(address: int | None = None, k: int | None = None) -> 
     if ops is None:
         return 0
     rows = int(ops.packed_linear_max_rows())
+    if (
+        dtype == torch.float32
+        and rows
+        and ops.packed_linear_blocked()
+        and platform.cpu_prefill_gemm() == "native"
+    ):
+        return UNBOUNDED_ROWS
     if address is None or not address & LAYOUT32:
         return rows
     if address & AMX:

@@ -10,8 +10,10 @@ faster for bf16 too. Up to 64 rows (decode batches, short prefills; 4 on AVX2-on
 same packed buffer is read in place by `kernels.packed_linear`, a GEMV that streamed the
 weights at 0.86-0.93 of a plain memory read's rate where oneDNN's matmul reached 0.75-0.81 on
 AVX-512, and 0.78 against 0.65 on an AVX2-only CPU (fp32), and at 8-64 rows ran 1.3-1.6x (8-16
-rows) to 1.04-1.09x (64) oneDNN's matmul (docs/benchmarks.md); one copy stays.
-`STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
+rows) to 1.04-1.09x (64) oneDNN's matmul (docs/benchmarks.md); one copy stays. Above 64
+rows fp32 weights take the same kernel's blocked GEMM on AVX-512 CPUs (the same FMAs in the
+same order, so a row's bits never depend on the batch; `STEADYLM_CPU_PREFILL_GEMM=onednn`
+keeps oneDNN's matmul there). `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
 """
 
 from __future__ import annotations
@@ -61,12 +63,13 @@ class OneDNNDenseKernel(LinearKernel):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        # Where the small-batch GEMV can read self.weight in place (None: oneDNN only).
+        # Where packed_linear can read self.weight in place (None: oneDNN only), and for up
+        # to how many rows (its GEMV; fp32 on AVX-512: every count, see packed_linear_max_rows).
         self.gemv_address = kernels.packed_linear_address(weight, self.weight)
         self.gemv_max_rows = (
             0
             if self.gemv_address is None
-            else kernels.packed_linear_max_rows(self.gemv_address, self.in_features)
+            else kernels.packed_linear_max_rows(self.gemv_address, self.in_features, weight.dtype)
         )
 
     @staticmethod

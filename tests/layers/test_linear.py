@@ -106,10 +106,13 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
     b = torch.randn(n, dtype=dtype) if bias else None
     kernel = _gemv_kernel(w, b)
     assert kernel.apply(torch.empty(0, k, dtype=dtype)).shape == (0, n)  # no rows: oneDNN
-    # 64 with AVX-512, 4 with AVX2; for bf16 in 32-column blocks (where oneDNN runs AMX) 16
-    # through AMX's tiles, else 6 (AMX's matmul wins above)
-    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address, k) >= 2
-    for m in range(1, kernel.gemv_max_rows + 2):  # the last row count is oneDNN's
+    # the GEMV's: 64 with AVX-512, 4 with AVX2; for bf16 in 32-column blocks (where oneDNN
+    # runs AMX) 16 through AMX's tiles, else 6 (AMX's matmul wins above)
+    gemv = kernels.packed_linear_max_rows(kernel.gemv_address, k)
+    assert kernel.gemv_max_rows == kernels.packed_linear_max_rows(kernel.gemv_address, k, dtype)
+    assert kernel.gemv_max_rows >= gemv >= 2
+    # the last row count is oneDNN's, or (fp32 on AVX-512) the blocked GEMM's
+    for m in range(1, gemv + 2):
         x = torch.randn(m, k, dtype=dtype)
         got = kernel.apply(x)
         onednn = torch.ops.mkldnn._linear_pointwise(x, kernel.weight, b, "none", [], "")
@@ -125,6 +128,37 @@ def test_packed_gemv_matches_onednn_at_every_small_batch(dtype, bias, n, k):
         if m <= kernel.gemv_max_rows:  # a row's bits do not depend on the rows beside it
             alone = torch.cat([kernel.apply(x[i : i + 1]) for i in range(m)])
             assert torch.equal(got, alone), m
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+# (1280, 768): 10 groups of two 64-column blocks, K in one pass; (192, 2016): a group of one
+# block after a whole one, K in two passes (the partial sums wait in the output)
+@pytest.mark.parametrize("n,k", [(1280, 768), (192, 2016)])
+def test_blocked_gemm_is_the_gemv_bit_for_bit_at_prefill_sizes(bias, n, k, monkeypatch):
+    """fp32 past the GEMV's rows (AVX-512): the blocked GEMM, each output the GEMV's chain of
+    FMAs, so a row's bits are the same alone or in any batch, and close to oneDNN's; with
+    STEADYLM_CPU_PREFILL_GEMM=onednn the layer keeps oneDNN's matmul there."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    kernel = _gemv_kernel(w, b)
+    gemv = kernels.packed_linear_max_rows(kernel.gemv_address, k)
+    ops = kernels.native_ops()
+    if kernel.gemv_max_rows == gemv or not ops.packed_linear_blocked():
+        pytest.skip(f"no blocked fp32 GEMM in this build (native kernels: {kernels.status()})")
+    assert kernel.gemv_max_rows == kernels.UNBOUNDED_ROWS
+    for m in (gemv + 1, 300, 517):  # the GEMV's, then the blocked GEMM's (tiles of 6 and 5)
+        x = torch.randn(m, k)
+        got = kernel.apply(x)
+        alone = torch.cat([kernel.apply(x[i : i + 1]) for i in range(m)])
+        assert torch.equal(got, alone), m
+        onednn = torch.ops.mkldnn._linear_pointwise(x, kernel.weight, b, "none", [], "")
+        torch.testing.assert_close(got, onednn, rtol=1e-4, atol=1e-3)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-3)
+    monkeypatch.setenv("STEADYLM_CPU_PREFILL_GEMM", "onednn")
+    assert OneDNNDenseKernel(w, b).gemv_max_rows == gemv
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -242,8 +276,8 @@ def test_packed_gemv_reads_the_layer_s_own_weight():
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_greedy_matches_transformers_through_the_packed_gemv(arch, monkeypatch, tmp_path):
     """Shapes the GEMV takes (every N % 64 == 0): decode batches and prefills of up to
-    `packed_linear_max_rows()` tokens run it, the 5 prompts' prefill (50 tokens) runs oneDNN;
-    greedy tokens equal transformers' in every case."""
+    `packed_linear_max_rows()` tokens run it, the 6 prompts' prefill (87 tokens) runs oneDNN,
+    or on AVX-512 the blocked GEMM; greedy tokens equal transformers' in every case."""
     from tests.conftest import make_hf_model
 
     hf = make_hf_model(arch, hidden_size=64, intermediate_size=128, vocab_size=128)
@@ -256,14 +290,17 @@ def test_greedy_matches_transformers_through_the_packed_gemv(arch, monkeypatch, 
         )
     calls = []
     real = kernels.packed_linear
-    monkeypatch.setattr(kernels, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "packed_linear", lambda *a: calls.append(len(a[0])) or real(*a))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [[3, 17, 42, 5, 88, 61, 9, 23], [7, 7, 31], list(range(5, 35)), [9], [4, 4, 4, 4, 4]]
+    prompts.append([(7 * i) % 120 + 3 for i in range(40)])
     for group in (prompts[:1], prompts[:3], prompts):
         want = [hf_greedy(hf, p, 12) for p in group]
         got = [r.output_token_ids for r in engine.generate(group, params)]
         assert got == want, len(group)
     assert calls, "the GEMV never ran"
+    if qkv.gemv_max_rows > kernels.packed_linear_max_rows():  # fp32, AVX-512
+        assert max(calls) > kernels.packed_linear_max_rows(), "the blocked GEMM never ran"
 
 
 @needs_onednn
