@@ -145,8 +145,9 @@ def cpu_gemm() -> str:
 
 def cpu_prefill_gemm() -> str:
     """`STEADYLM_CPU_PREFILL_GEMM`: `native` (default) or `onednn`, what runs fp32 linears of
-    more rows than the GEMV takes (prefills, decode batches over 64): steadylm's blocked GEMM
-    over the same packed weight (`kernels.packed_linear`, AVX-512 CPUs) or oneDNN's matmul."""
+    more than 64 rows (prefills, large decode batches) on AVX-512 CPUs: steadylm's kernel over
+    the packed weight (`kernels.packed_linear`: its GEMV up to 256 rows, a blocked GEMM
+    above), or oneDNN's matmul."""
     return _choice("STEADYLM_CPU_PREFILL_GEMM", ("native", "onednn"))
 
 
@@ -251,12 +252,12 @@ def torch_huge_pages() -> bool:
 
     A prefill's activations are tens of MB a tensor and a GEMM touches one 4 KiB page per
     output row for every 64 columns, so in 4 KiB pages its loads and stores walk the page
-    tables (nested ones, in a VM) again and again: the fp32 blocked GEMM at 4096 x 768 x 2304
-    ran at 223-243 GFLOP/s with its operands in 4 KiB pages and 267-302 in 2 MiB ones (2
-    threads of an Intel Xeon with AMX). The weights and KV cache are advised at load too
-    (`advise_huge_pages`), but buffers already written wait for khugepaged, which merged ~10
-    MB of a 440 MB model in 20 s; torch's flag gives the weights huge pages as oneDNN packs
-    them (~720 MB of the bench model's process right after load)."""
+    tables (nested ones, in a VM) again and again: a GEMM with the blocked GEMM's tiles at
+    4096 x 768 x 2304 ran at 223-243 GFLOP/s with its operands in 4 KiB pages and 267-302 in
+    2 MiB ones (2 threads of an Intel Xeon with AMX, a standalone build). The weights and KV
+    cache are advised at load too (`advise_huge_pages`), but buffers already written wait for
+    khugepaged, which merged ~10 MB of a 440 MB model in 20 s; torch's flag gives the weights
+    huge pages as oneDNN packs them (~720 MB of the bench model's process right after load)."""
     return os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
 
 

@@ -11,9 +11,10 @@ same packed buffer is read in place by `kernels.packed_linear`, a GEMV that stre
 weights at 0.86-0.93 of a plain memory read's rate where oneDNN's matmul reached 0.75-0.81 on
 AVX-512, and 0.78 against 0.65 on an AVX2-only CPU (fp32), and at 8-64 rows ran 1.3-1.6x (8-16
 rows) to 1.04-1.09x (64) oneDNN's matmul (docs/benchmarks.md); one copy stays. Above 64
-rows fp32 weights take the same kernel's blocked GEMM on AVX-512 CPUs (the same FMAs in the
-same order, so a row's bits never depend on the batch; `STEADYLM_CPU_PREFILL_GEMM=onednn`
-keeps oneDNN's matmul there). `STEADYLM_CPU_GEMM=torch` keeps plain `F.linear` (the reference).
+rows fp32 weights stay on the same kernel on AVX-512 CPUs (its GEMV up to 256 rows, a blocked
+GEMM above: the same FMAs in the same order, so a row's bits never depend on the batch;
+`STEADYLM_CPU_PREFILL_GEMM=onednn` keeps oneDNN's matmul there). `STEADYLM_CPU_GEMM=torch`
+keeps plain `F.linear` (the reference).
 """
 
 from __future__ import annotations
