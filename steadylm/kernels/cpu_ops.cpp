@@ -2015,13 +2015,13 @@ void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
 }
 #endif
 
-// The most rows the GEMV (the loops above) measured ahead of oneDNN's matmul at: the caller
-// keeps oneDNN's above, except for fp32 where blocked_gemm is built (AVX-512). There the GEMV
-// still takes up to kBlockedRows: its tiles stream a block's next K chunk while they compute,
-// and the blocked GEMM's groups read their weights from memory first (a decode step's 48
-// linears, 2 threads of an Intel Xeon with AMX: GEMV / blocked 62-79 / 79-80 ms at 80 rows,
-// 72-74 / 88-89 at 96, 120 / 128-131 at 160, 139-140 / 148-152 at 192, 185-192 / 187-189 at
-// 256).
+// kGemvRows: the most rows at which the GEMV (the loops above) measured ahead of oneDNN's
+// matmul; the caller keeps oneDNN's above it, except for fp32 where blocked_gemm is built
+// (AVX-512). There the GEMV still takes up to kBlockedRows rows: its tiles stream a block's
+// next K chunk while they compute, where the blocked GEMM's groups wait for their weights
+// to come from memory (a decode step's 48 linears, 2 threads of an Intel Xeon with AMX, GEMV
+// / blocked: 50.7-53.5 / 68.3-70.3 ms at 64 rows, 62-79 / 79-80 at 80, 72-74 / 88-89 at 96,
+// 120 / 128-131 at 160, 139-140 / 148-152 at 192, 185-192 / 187-189 at 256).
 constexpr int64_t kGemvRows = 64;
 constexpr int64_t kBlockedRows = 256;
 
@@ -2053,7 +2053,8 @@ void blocked_gemm(const float* x, const float* w, const float* bias, float* y, i
   // (its weights stay in L2 from one to the next), at least kGemmItems of them a thread so
   // the threads end within a small item of each other.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t slabs = std::clamp<int64_t>((kGemmItems * threads + groups - 1) / groups, 1, tiles);
+  const int64_t slabs =
+      std::clamp<int64_t>((kGemmItems * threads + groups - 1) / groups, 1, tiles);
   parallel_claims(groups * slabs, [&](auto&& claim) {
     for (int64_t e0, e1; claim(e0, e1);)
       for (int64_t e = e0; e < e1; ++e) {
@@ -2066,7 +2067,8 @@ void blocked_gemm(const float* x, const float* w, const float* bias, float* y, i
           for (int64_t t = t0; t < t1; ++t) {
             const int64_t rows = m * (t + 1) / tiles - r0;
             for (int64_t r = r0 + rows; r < std::min(m, r0 + 2 * rows); ++r)
-              for (int64_t l = b0 * 4; l < b1 * 4; ++l) __builtin_prefetch(y + r * n + 16 * l, 1, 3);
+              for (int64_t l = b0 * 4; l < b1 * 4; ++l)
+                __builtin_prefetch(y + r * n + 16 * l, 1, 3);  // for writing, into L1
             for (int64_t b = b0; b < b1; ++b) {
               Tile<float> a{x + r0 * k, w + b * k * kPackBlock, bias, y + r0 * n, n, k,
                             b * kPackBlock, i0, i1, y + r0 * n + b * kPackBlock, nullptr};
