@@ -1735,9 +1735,9 @@ __attribute__((always_inline)) inline void gemv_step(__m512 (&acc)[M][4], const 
 // A tile that prefetches nothing (blocked_gemm's, and the GEMV's past the first four of a
 // chunk) runs its K loop unrolled by 4: a step's 24 FMAs are 12 cycles of the two FMA ports,
 // and the loop's own counter, compare and pointer updates took FMA slots between them
-// (blocked_gemm at 4096 rows 293-295 -> 310-320 GFLOP/s on an Intel Xeon with AMX, 2
-// threads; the GEMV at 256 rows 160-163 -> 150-152 ms over 48 linears; by 8: no better, and
-// the prefetching tiles of 1-16 rows measured no faster unrolled).
+// (blocked_gemm at 4096 rows 293-308 -> 310-329 GFLOP/s on an Intel Xeon with AMX, 2
+// threads, oneDNN's matmul 291-317 alongside; the GEMV at 1-256 rows level within the noise;
+// by 8: no better, and the prefetching tiles of 1-16 rows measured no faster unrolled).
 template <int M, int Fetch>
 __attribute__((noinline)) void gemv_tile(const Tile<float>& a) {
   const float* x = a.x;
