@@ -326,6 +326,66 @@ def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,kv_heads,rows,lens,window,d",
+    [
+        (12, 4, [256, 256], [256, 256], 0, 64),  # fresh prompts: four 64-row tiles each
+        (4, 4, [20, 1, 5], [20, 300, 261], 0, 32),  # a prompt, one row, a chunk after context
+        (8, 2, [7, 40], [90, 64], 50, 32),  # sliding window: rows' ranges start apart
+        (4, 1, [3] * 9, [9, 31, 77, 120, 200, 64, 83, 157, 3], 0, 32),  # MQA, many tiles
+        (16, 2, [5, 70], [300, 70], 0, 128),  # 8 query heads per KV head, head_dim 128
+        (4, 2, [300], [1100], 0, 16),  # long: the tiles shrink to fit the score buffer
+        (4, 2, [6, 1], [100, 40], 0, 36),  # a head size the blocks do not take: paged_attention
+    ],
+)
+def test_prefill_attention_matches_reference(dtype, heads, kv_heads, rows, lens, window, d):
+    """The prefill kernel (unquantized cache): scattered block tables, contexts that end
+    mid-block, rows after cached context, GQA / MHA / MQA, windows, tiles of several sizes."""
+    torch.manual_seed(0)
+    q, kv, _, tables, seq, ctx = _paged_case(dtype, 0, heads, kv_heads, rows, lens, nb=200, d=d)
+    want = kernels.paged_attention_ref(q, *kv, None, None, tables, seq, ctx, 0.17, window)
+    got = ops.prefill_attention(q, *kv, tables, seq, ctx, 0.17, window)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # q as a row slice of a wider tensor (the fused qkv projection's output)
+    wide = torch.cat([q, torch.randn(len(ctx), 2, q.shape[2], dtype=dtype)], dim=1)
+    assert torch.equal(
+        ops.prefill_attention(wide[:, :heads], *kv, tables, seq, ctx, 0.17, window), got
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (12, 4, 64), (6, 6, 16)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 100])
+def test_prefill_attention_row_is_independent_of_its_batch(dtype, heads, kv_heads, d, window):
+    """A prefill row computed alone, in another tile or with another thread count gives the
+    same bits: a chunked prefill writes the unchunked one's K/V."""
+    torch.manual_seed(0)
+    q, kv, _, tables, seq, ctx = _paged_case(
+        dtype, 0, heads, kv_heads, [90, 1, 130], [300, 7, 600], d=d
+    )
+    tail = (0.17, window)
+    batch = ops.prefill_attention(q, *kv, tables, seq, ctx, *tail)
+    threads = torch.get_num_threads()
+    for t in range(len(ctx)):
+        s = int(seq[t])
+        alone = ops.prefill_attention(
+            q[t : t + 1], *kv, tables[s : s + 1], seq[:1] * 0, ctx[t : t + 1], *tail
+        )
+        assert torch.equal(alone[0], batch[t]), t
+    # the second half of the last sequence's rows as a chunk of their own
+    half = len(ctx) - 65
+    chunk = ops.prefill_attention(q[half:], *kv, tables[2:], seq[half:] * 0, ctx[half:], *tail)
+    assert torch.equal(chunk, batch[half:])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(ops.prefill_attention(q, *kv, tables, seq, ctx, *tail), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 def test_bad_inputs_raise_not_crash():
     q = torch.randn(2, 4, 16)
     kc = torch.randn(10, 4, 2, 16)
@@ -338,6 +398,10 @@ def test_bad_inputs_raise_not_crash():
         codes = torch.zeros(10, 4, 2, 8, dtype=torch.uint8)
         ops.paged_attention(
             q, codes, codes, None, None, torch.zeros(2, 3, dtype=torch.long), ones, ones, 1.0, 0, 4
+        )
+    with pytest.raises(RuntimeError, match="cache dtype must equal"):
+        ops.prefill_attention(
+            q, kc.bfloat16(), kc.bfloat16(), torch.zeros(2, 3, dtype=torch.long), ones, ones, 1.0, 0
         )
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1)
@@ -382,8 +446,8 @@ def test_greedy_matches_transformers_with_kernels_on_and_off(arch, model_dirs, m
 
 
 @needs_native
-def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
-    """An unquantized cache's prefill runs the native per-row kernel while its contexts are
+def test_short_prefills_take_the_prefill_kernel(model_dirs, monkeypatch):
+    """An unquantized cache's prefill runs the native prefill kernel while its contexts are
     at most SHORT_PREFILL_CONTEXT tokens, SDPA past that; greedy output matches transformers
     either way."""
     from steadylm.attention import torch_ref
@@ -397,11 +461,11 @@ def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
     def counting(dtype, device):
         def run(q, *args):
             rows_seen.append(q.shape[0])
-            return ops.paged_attention(q, *args)
+            return ops.prefill_attention(q, *args)
 
         return run
 
-    monkeypatch.setattr(kernels, "native_paged_attention", counting)
+    monkeypatch.setattr(kernels, "native_prefill_attention", counting)
     for limit, native in ((0, False), (29, False), (30, True)):  # the longest prompt: 30
         monkeypatch.setattr(torch_ref, "SHORT_PREFILL_CONTEXT", limit)
         rows_seen.clear()
@@ -415,7 +479,7 @@ def test_short_prefills_take_the_per_row_kernel(model_dirs, monkeypatch):
 def test_bf16_prefills_take_sdpa_where_the_cpu_has_amx(amx, model_dirs, monkeypatch):
     """Where the CPU has AMX (oneDNN runs SDPA's bf16 matmuls on its tiles) a bf16 cache's
     short prefills go to SDPA; an fp32 cache there, and either dtype without AMX, keep the
-    per-row kernel."""
+    prefill kernel."""
     from steadylm import platform
 
     _, path = model_dirs("llama")
@@ -425,11 +489,11 @@ def test_bf16_prefills_take_sdpa_where_the_cpu_has_amx(amx, model_dirs, monkeypa
     def counting(dtype, device):
         def run(q, *args):
             rows_seen.append((q.dtype, q.shape[0]))
-            return ops.paged_attention(q, *args)
+            return ops.prefill_attention(q, *args)
 
         return run
 
-    monkeypatch.setattr(kernels, "native_paged_attention", counting)
+    monkeypatch.setattr(kernels, "native_prefill_attention", counting)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
         rows_seen.clear()

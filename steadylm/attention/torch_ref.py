@@ -1,10 +1,11 @@
 """Pure-torch reference attention over a paged KV cache. Runs unchanged on CPU and CUDA.
 On the CPU, native kernels in steadylm/kernels read the blocks in place instead: decode groups
-of an unquantized cache go to the paged decode kernel, prefill groups of an unquantized cache
-whose contexts are all short (`short_prefill_context`) and every group of an int8 / int4 cache
-(prefill and decode) to the paged attention kernel, which computes each query row on its own,
-so a token's bits, and so the codes it writes, do not depend on its batch, chunk, preemption or
-cache hit.
+of an unquantized cache go to the paged decode kernel, its prefill groups whose contexts are all
+short (`short_prefill_context`) to the prefill kernel, and every group of an int8 / int4 cache
+(prefill and decode) to the paged attention kernel, which computes each query row as a decode
+row does, so a token's bits, and so the codes it writes, do not depend on its batch, chunk,
+preemption or cache hit (the prefill kernel's rows are independent of their batch too, but
+differ from decode's in the last ulps, as SDPA's do).
 
 Per group, one batched SDPA call: queries padded to (S, max_q), keys gathered from the block
 tables up to the group's longest context, and a boolean causal (optionally sliding-window) mask.
@@ -27,19 +28,22 @@ from steadylm.attention.base import AttentionBackend, AttentionGroup, AttentionM
 _LEVELS = {8: 255, 4: 15}
 
 # Prefill groups of an unquantized cache whose longest context is at most this many tokens go
-# to the native per-row kernel: it skips the causal half that SDPA's 512-key blocks compute and
-# reads the blocks in place (no gather). 16 prompts of 256 tokens, 12 query / 4 KV heads of 64
-# on the 2-vCPU Zen 4 VM, a layer's attention: fp32 19.6 against 26.2 ms, bf16 17.2 against
-# 27.3; at 512 tokens SDPA led (22.8 against 29.4 ms), from 1k on they were level or SDPA
-# ahead. 0 keeps SDPA for every prefill. A bf16 cache on a CPU with AMX keeps SDPA at every
-# length (`short_prefill_context`): its bf16 matmuls run on AMX tiles there, and the same 16 x 256
-# layer took 10.6 ms against the per-row kernel's 20.3 on an Intel Xeon with AMX (fp32 level,
-# 22.8 against 20.3); the first token of those 16 prompts, 0.80 -> 0.67 s.
-SHORT_PREFILL_CONTEXT = 256
+# to the native prefill kernel (kernels.native_prefill_attention): it reads the blocks in
+# place (no gather), skips the causal half that SDPA's 512-key blocks compute, and holds each
+# row's scores whole (so it stays with short contexts). 12 layers of 12 query / 4 KV heads of
+# 64, fp32, 2 threads of an Intel Xeon with AMX: 16 prompts of 256 tokens 127 ms against
+# SDPA's 203 (the per-row kernel before it: 217); 8 x 512 216 against 362; 4 x 1k 413 against
+# 503; 2 x 2k 1025 against 810 (SDPA ahead). bf16 where the CPU has no AMX takes it too: the
+# per-row kernel led SDPA there at 256 tokens and trailed it 1.3x at 512 and about level at 1k
+# (Zen 4 VM), and this kernel is 1.6x / 1.45x the per-row kernel at 512 / 1k. 0 keeps SDPA for
+# every prefill. A bf16 cache on a CPU with AMX keeps SDPA at every length
+# (`short_prefill_context`): its bf16 matmuls run on AMX tiles there (16 x 256: 77 ms against
+# this kernel's 128).
+SHORT_PREFILL_CONTEXT = 1024
 
 
 def short_prefill_context(dtype: torch.dtype) -> int:
-    """The longest context whose prefill takes the native per-row kernel (unquantized cache):
+    """The longest context whose prefill takes the native prefill kernel (unquantized cache):
     SHORT_PREFILL_CONTEXT, or 0 (SDPA) for bf16 where the CPU has AMX."""
     if dtype == torch.bfloat16 and platform.cpu_has_amx_bf16():
         return 0
@@ -90,14 +94,14 @@ class TorchAttentionBackend(AttentionBackend):
             self._prepare_quantized(md, cache)
             return
         native = kernels.native_decode_attention(cache.k.dtype, cache.k.device)
-        rows = kernels.native_paged_attention(cache.k.dtype, cache.k.device)
+        prefill = kernels.native_prefill_attention(cache.k.dtype, cache.k.device)
         short = short_prefill_context(cache.k.dtype)
         for g in md.groups:
             if native is not None and g.max_query_len == 1:
                 # Decode reads the paged cache in place: no gather, no tiles, no mask.
                 g.prepared = {"native": native, "window": md.sliding_window or 0}
-            elif rows is not None and g.max_context_len <= short:
-                g.prepared = _rows_prepared(g, rows, md.sliding_window)
+            elif prefill is not None and g.max_context_len <= short:
+                g.prepared = _rows_prepared(g, prefill, md.sliding_window, "prefill")
             else:
                 g.prepared = {"tiles": _tiles(g, md.block_size, md.sliding_window)}
 
@@ -143,11 +147,11 @@ class TorchAttentionBackend(AttentionBackend):
             params[layer].view(-1, *sz.shape[1:]).index_copy_(0, slots, sz)
 
     def forward(self, q, cache: KVCache, layer: int, md: AttentionMetadata, scale: float):
-        if len(md.groups) == 1 and md.groups[0].prepared.keys() & {"native", "rows"}:
+        if len(md.groups) == 1 and md.groups[0].prepared.keys() & _NATIVE:
             return _native(q, cache, layer, md.groups[0], scale)
         out = torch.empty_like(q)
         for g in md.groups:
-            if g.prepared.keys() & {"native", "rows"}:
+            if g.prepared.keys() & _NATIVE:
                 rows = slice(g.token_start, g.token_end)
                 out[rows] = _native(q[rows], cache, layer, g, scale)
                 continue
@@ -184,11 +188,25 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+_NATIVE = {"native", "prefill", "rows"}  # the prepared plans a native kernel runs
+
+
 def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
     p = g.prepared
     if "native" in p:  # decode over an unquantized cache
         return p["native"](
             q, cache.k[layer], cache.v[layer], g.block_tables, g.context_lens, scale, p["window"]
+        )
+    if "prefill" in p:  # a short prefill over an unquantized cache
+        return p["prefill"](
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            g.block_tables,
+            p["token_seq"],
+            p["token_ctx"],
+            scale,
+            p["window"],
         )
     bits = cache.quant_policy
     return p["rows"](
@@ -206,14 +224,14 @@ def _native(q, cache: KVCache, layer: int, g: AttentionGroup, scale: float):
     )
 
 
-def _rows_prepared(g: AttentionGroup, rows, window: int | None) -> dict:
-    """A group's plan for the native per-row kernel `rows`: each query row's sequence and
-    context length."""
+def _rows_prepared(g: AttentionGroup, rows, window: int | None, key: str = "rows") -> dict:
+    """A group's plan for a native kernel that takes its rows one by one (`rows`, under
+    `key`): each query row's sequence and context length."""
     if g.max_query_len == 1:  # decode rows: row i is sequence i, at its context length
         seq, ctx = torch.arange(len(g.context_lens), device=g.context_lens.device), g.context_lens
     else:
         seq, ctx = _token_contexts(g)
-    return {"rows": rows, "window": window or 0, "token_seq": seq, "token_ctx": ctx}
+    return {key: rows, "window": window or 0, "token_seq": seq, "token_ctx": ctx}
 
 
 def _token_contexts(g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:

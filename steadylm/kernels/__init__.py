@@ -275,6 +275,19 @@ def native_paged_attention(dtype: torch.dtype, device: torch.device):
     return None if ops is None else ops.paged_attention
 
 
+def native_prefill_attention(dtype: torch.dtype, device: torch.device):
+    """The native prefill kernel over an unquantized cache `(q, k_cache, v_cache,
+    block_tables, token_seq, context_lens, scale, window) -> out` (paged_attention's inputs
+    with bits 0; plain dot products in register blocks, for short contexts: each row's
+    scores are held whole) for a model of this dtype and device, or None. Each row's bits are
+    independent of the rest of the batch, as with paged_attention, but not equal to the
+    decode kernel's (cpu_ops.cpp states how)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.prefill_attention
+
+
 def native_decode_layers():
     """The native op running a decode step's Llama decoder layers in one call
     (cpu_ops.cpp `decode_layers`: the same ops as the modules, in their order), or None

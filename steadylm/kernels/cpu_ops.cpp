@@ -1293,6 +1293,8 @@ __attribute__((noinline)) void value_codes(float* acc, const float* p, int64_t l
     for (int i = 0; i < NV; ++i) Vec(a[j][i]).store(acc + j * NV * kVec + i * kVec);
 }
 
+#endif
+
 // Calls f(std::integral_constant<int, G>{}) for a G in [1, Max] (none for any other).
 template <int Max, typename F>
 inline void with_heads(int64_t G, F&& f) {
@@ -1301,7 +1303,23 @@ inline void with_heads(int64_t G, F&& f) {
     else with_heads<Max - 1>(G, f);
   }
 }
-#endif
+
+// The rows of a paged_attention / prefill_attention call (token_seq sp, context_lens lp):
+// row t's first key (a window W > 0 keeps the last W positions) and its tiles, runs of up to
+// max_rows consecutive rows of one sequence (their starts, then T).
+struct RowKeys {
+  const int64_t* sp;
+  const int64_t* lp;
+  int64_t window;
+  int64_t first(int64_t t) const { return window > 0 ? std::max<int64_t>(0, lp[t] - window) : 0; }
+  std::vector<int64_t> tiles(int64_t T, int64_t max_rows) const {
+    std::vector<int64_t> start;
+    for (int64_t t = 0; t < T; ++t)
+      if (t == 0 || sp[t] != sp[t - 1] || t - start.back() == max_rows) start.push_back(t);
+    start.push_back(T);
+    return start;
+  }
+};
 
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVReader<T>& vr,
@@ -1316,12 +1334,9 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
-  auto first_of = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, lp[t] - window) : 0; };
-  // Tiles: up to kQTile consecutive rows of the same sequence.
-  std::vector<int64_t> tile_start;
-  for (int64_t t = 0; t < T_; ++t)
-    if (t == 0 || sp[t] != sp[t - 1] || t - tile_start.back() == kQTile) tile_start.push_back(t);
-  tile_start.push_back(T_);
+  const RowKeys keys{sp, lp, window};
+  const auto first_of = [&](int64_t t) { return keys.first(t); };
+  const std::vector<int64_t> tile_start = keys.tiles(T_, kQTile);
   const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
   int64_t max_span = 0;
   for (int64_t t = 0; t < T_; ++t) max_span = std::max(max_span, (lp[t] - 1) / kSpan + 1);
@@ -1585,12 +1600,12 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+// paged_attention's (and prefill_attention's) inputs, checked before any is read.
+void check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale_zero,
                            const c10::optional<at::Tensor>& v_scale_zero,
                            const at::Tensor& block_tables, const at::Tensor& token_seq,
-                           const at::Tensor& context_lens, double scale, int64_t window,
-                           int64_t bits) {
+                           const at::Tensor& context_lens, int64_t bits) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_attention: q (T, H, D) with contiguous rows");
   TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "paged_attention: bits must be 0, 8 or 4");
@@ -1618,6 +1633,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   context_lens.is_contiguous() && token_seq.is_contiguous() &&
                   context_lens.size(0) == q.size(0) && token_seq.size(0) == q.size(0),
               "paged_attention: int64 block_tables (S, B), token_seq (T,) and context_lens (T,)");
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale_zero,
+                           const c10::optional<at::Tensor>& v_scale_zero,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq,
+                           const at::Tensor& context_lens, double scale, int64_t window,
+                           int64_t bits) {
+  check_paged_attention(q, k_cache, v_cache, k_scale_zero, v_scale_zero, block_tables, token_seq,
+                        context_lens, bits);
+  const int64_t D = q.size(2);
   auto out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
   SL_DISPATCH(q.scalar_type(), "paged_attention", [&] {
@@ -1638,6 +1664,278 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    block_tables, token_seq, context_lens, scale, window, out);
   });
   return out;
+}
+
+// ---- Prefill attention over an unquantized cache -----------------------------------------
+// Prefill rows over an fp32 / bf16 cache at short context, the same inputs as paged_attention
+// with bits 0: q (T, H, D), row t attends to keys [first_t, ctx_t) of sequence token_seq[t].
+// paged_attention computes every score as a decode row does (16 lane partials and a tree),
+// which keeps a quantized cache's codes independent of scheduling; an unquantized cache needs
+// no such match with decode (SDPA runs its longer prefills), so here each score is a plain
+// dot product and the tile's work is two register-blocked matrix products:
+// - an item is (tile of up to kPrefillRows consecutive rows of one sequence, KV head): its
+//   keys, transposed to fp32 once (kt, d-major), serve all of the tile's rows and G query
+//   heads; its values are read in place (bf16 widened as they load);
+// - scores: MQ (row, head) pairs at a time against blocks of up to 64 keys, MQ x 4
+//   accumulators, a broadcast of q and a key vector per FMA's operands (prefill_scores);
+// - the softmax of each pair over its whole key range at once (a row's scores fit: the
+//   caller keeps this kernel to short contexts), exponentials stored in place;
+// - values: the same MQ pairs' outputs in registers over the keys (prefill_values).
+// A group of pairs computes the union of its rows' keys (in whole vectors); what lies outside
+// a row's own range gets weight 0, which leaves its sums' bits as they are, and every sum runs
+// in key order over vectors aligned to absolute positions. So a row's bits depend on its q,
+// keys and values only, not on the rows, tile or thread it came with: a chunked prefill gives
+// the unchunked one's bits (test_prefill_attention_row_is_independent_of_its_batch).
+// A tile's scores are at most kPrefillScores floats: past ~1k keys its rows get few (the keys'
+// transposition then serves few rows) and SDPA's flash blocks win (torch_ref.py's limit).
+// (12 layers of 12 query / 4 KV heads of 64, fp32, 2 threads of an Intel Xeon with AMX: 16
+// prompts of 256 tokens 217 ms with paged_attention, 127 ms here, SDPA 203; the first token
+// of W1 (16 x 256, the bench model) 2.24 -> 2.15 s.)
+constexpr int64_t kPrefillRows = 64;
+constexpr int64_t kPrefillScores = 128 * 1024;  // floats of a tile's score buffer (512 KiB)
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kPrefillAcc = 24;  // accumulators of a register block (of 32 vector registers)
+#else
+constexpr int kPrefillAcc = 12;  // of AVX2's 16
+#endif
+
+// s[m * lds + x] = q_m . key x for the MQ query vectors q + m * D (D = NV * kVec) and the
+// KN * kVec keys of kt (d-major, ldt floats a row): from d = 0's product, FMAs in d order.
+template <int NV, int MQ, int KN>
+__attribute__((noinline)) void prefill_scores(const float* q, const float* kt, int64_t ldt,
+                                               float* s, int64_t lds) {
+  constexpr int64_t D = NV * kVec;
+  VReg acc[MQ][KN];
+  for (int j = 0; j < KN; ++j) {
+    const Vec k = Vec::loadu(kt + j * kVec);
+    for (int m = 0; m < MQ; ++m) acc[m][j] = Vec(q[m * D]) * k;
+  }
+#pragma GCC unroll 4
+  for (int64_t d = 1; d < D; ++d) {
+    Vec k[KN];
+    for (int j = 0; j < KN; ++j) k[j] = Vec::loadu(kt + d * ldt + j * kVec);
+    for (int m = 0; m < MQ; ++m) {
+      const Vec qb(q[m * D + d]);
+      for (int j = 0; j < KN; ++j) acc[m][j] = at::vec::fmadd(qb, k[j], Vec(acc[m][j]));
+    }
+  }
+  for (int m = 0; m < MQ; ++m)
+    for (int j = 0; j < KN; ++j) Vec(acc[m][j]).store(s + m * lds + j * kVec);
+}
+
+// o[m * D + .] = sum over keys x < n of p[m * lds + x] * v_x for MQ pairs, in key order from
+// zero; v_x at vrow[x] (KT: float, or bf16 widened as it loads).
+template <int NV, int MQ, typename KT>
+__attribute__((noinline)) void prefill_values(const float* p, int64_t lds, const KT* const* vrow,
+                                               int64_t n, float* o) {
+  constexpr int64_t D = NV * kVec;
+  VReg acc[MQ][NV];
+  for (int m = 0; m < MQ; ++m)
+    for (int i = 0; i < NV; ++i) acc[m][i] = Vec(0.f);
+  for (int64_t x = 0; x < n; ++x) {
+    Vec v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = loadv(vrow[x] + i * kVec);
+    for (int m = 0; m < MQ; ++m) {
+      const Vec w(p[m * lds + x]);
+      for (int i = 0; i < NV; ++i) acc[m][i] = at::vec::fmadd(w, v[i], Vec(acc[m][i]));
+    }
+  }
+  for (int m = 0; m < MQ; ++m)
+    for (int i = 0; i < NV; ++i) Vec(acc[m][i]).store(o + m * D + i * kVec);
+}
+
+// The softmax weights of one pair over its group's keys [0, n) of s (vectors aligned to
+// absolute positions): exp(s - max) for its own keys [f, c), 0 for the rest; returns 1 / sum.
+// Only the vectors that straddle f or c take a lane mask.
+inline float prefill_softmax(float* s, int64_t n, int64_t f, int64_t c) {
+  const Vec ninf(-std::numeric_limits<float>::infinity()), zero(0.f);
+  const Vec lanes = Vec::arange(0.f, 1.f);
+  const Vec lo(static_cast<float>(f)), hi(static_cast<float>(c));
+  auto mine = [&](int64_t x) {  // lanes whose key is the pair's own
+    const Vec at = lanes + Vec(static_cast<float>(x));
+    return (at >= lo) & (at < hi);
+  };
+  const int64_t f0 = f / kVec * kVec;
+  Vec mx = ninf;
+  for (int64_t x = f0; x < c; x += kVec) {
+    const Vec v = Vec::loadu(s + x);
+    mx = at::vec::maximum(mx, x < f || x + kVec > c ? Vec::blendv(ninf, v, mine(x)) : v);
+  }
+  const Vec m(at::vec::vec_reduce_all<float>(
+      [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, mx));
+  Vec sum = zero;
+  for (int64_t x = 0; x < n; x += kVec) {
+    if (x + kVec <= f0 || x >= c) {
+      zero.store(s + x);
+      continue;
+    }
+    Vec e = (Vec::loadu(s + x) - m).exp_u20();
+    if (x < f || x + kVec > c) e = Vec::blendv(zero, e, mine(x));
+    e.store(s + x);
+    sum = sum + e;
+  }
+  return 1.f / at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; },
+                                             sum);
+}
+
+template <typename T>
+bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                            const at::Tensor& tables, const at::Tensor& token_seq,
+                            const at::Tensor& lens, double scale, int64_t window,
+                            at::Tensor& out) {
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), qs = q.stride(0);
+  const int64_t hkv = kc.size(2), G = H / hkv, bs = kc.size(1), max_blocks = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* sp = token_seq.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const RowKeys keys{sp, lp, window};
+  const auto first_of = [&](int64_t t) { return keys.first(t); };
+  int64_t widest = 1;  // the most keys (whole vectors) a row's range spans
+  for (int64_t t = 0; t < T_; ++t)
+    widest = std::max(widest, (lp[t] + kVec - 1) / kVec * kVec - first_of(t) / kVec * kVec);
+  const int64_t tile_rows =
+      std::clamp<int64_t>(kPrefillScores / (G * (widest + kVec)), 1, kPrefillRows);
+  const std::vector<int64_t> tile_start = keys.tiles(T_, tile_rows);
+  const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
+  // A tile's keys, lo to hi, and the most keys (whole vectors, aligned) of any tile: the
+  // buffers' size.
+  std::vector<int64_t> tile_lo(ntiles), tile_hi(ntiles);
+  int64_t width = kVec;
+  for (int64_t i = 0; i < ntiles; ++i) {
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (int64_t t = tile_start[i]; t < tile_start[i + 1]; ++t)
+      if (first_of(t) < lp[t]) lo = std::min(lo, first_of(t)), hi = std::max(hi, lp[t]);
+    tile_lo[i] = lo, tile_hi[i] = hi;
+    if (lo < hi) width = std::max(width, (hi + kVec - 1) / kVec * kVec - lo / kVec * kVec);
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<T> zeros(D, T(0.f));  // the value row of a key past the tile's last
+  return scores_and_values(D, [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    constexpr int MQ = std::clamp(kPrefillAcc / NV, 1, 6);  // pairs a value block holds
+    constexpr int SQ = kPrefillAcc / 4;                     // pairs a score block holds
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> qf(tile_rows * G * D), kt(D * (width + kVec)),
+          s(tile_rows * G * (width + kVec)), o(MQ * D), rowbuf(kVec * D);
+      std::vector<const T*> vrow(width);
+      for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < ntiles * hkv;) {
+        const int64_t tile = item / hkv, hk = item % hkv;
+        const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
+        const int64_t lo = tile_lo[tile], hi = tile_hi[tile];  // the rows' union of keys
+        if (lo >= hi) {
+          for (int64_t t = t0; t < t0 + rows; ++t)  // no keys: zeros, as paged_attention
+            for (int64_t g = 0; g < G; ++g)
+              std::fill_n(op + t * H * D + (hk * G + g) * D, D, T(0.f));
+          continue;
+        }
+        const int64_t x0 = lo / kVec * kVec, n = (hi + kVec - 1) / kVec * kVec - x0;
+        const int64_t ldt = n % 256 == 0 ? n + kVec : n;  // rows 1 KiB apart alias in L1
+        const int64_t* table = tp + sp[t0] * max_blocks;
+        auto row_of = [&](const T* c, int64_t pos) {
+          return c + ((table[pos / bs] * bs + pos % bs) * hkv + hk) * D;
+        };
+        // The keys, transposed kVec at a time through rowbuf; values' rows in place.
+        for (int64_t xb = 0; xb < n; xb += kVec) {
+          for (int64_t i = 0; i < kVec; ++i) {
+            const int64_t pos = x0 + xb + i;
+            const bool have = pos >= lo && pos < hi;
+            float* dst = rowbuf.data() + i * D;
+            if (have) {
+              const T* src = row_of(kp, pos);
+              for (int64_t d = 0; d < D; d += kVec) loadv(src + d).store(dst + d);
+            } else {
+              std::fill_n(dst, D, 0.f);
+            }
+            vrow[xb + i] = have ? row_of(vp, pos) : zeros.data();
+          }
+#if defined(CPU_CAPABILITY_AVX512)
+          for (int64_t d0 = 0; d0 < D; d0 += 16)
+            transpose16(rowbuf.data() + d0, D, kt.data() + d0 * ldt + xb, ldt);
+#else
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t i = 0; i < kVec; ++i) kt[d * ldt + xb + i] = rowbuf[i * D + d];
+#endif
+        }
+        const int64_t pairs = rows * G, lds = ldt;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              qf[(r * G + g) * D + d] = to_f(qp[(t0 + r) * qs + (hk * G + g) * D + d]) * sc;
+        // A group of pairs: its keys [a, b) of the buffer (whole vectors), the union of its
+        // rows' ranges.
+        auto range_of = [&](int64_t p0, int64_t p1) {
+          int64_t a = n, b = 0;
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t t = t0 + p / G, f = first_of(t);
+            if (f >= lp[t]) continue;
+            a = std::min(a, f / kVec * kVec - x0);
+            b = std::max(b, (lp[t] + kVec - 1) / kVec * kVec - x0);
+          }
+          return std::make_pair(a, b);
+        };
+        for (int64_t p0 = 0; p0 < pairs; p0 += SQ) {
+          const int64_t p1 = std::min(pairs, p0 + SQ);
+          const auto [a, b] = range_of(p0, p1);
+          for (int64_t x = a; x < b;) {
+            const int64_t kn = std::min<int64_t>(4, (b - x) / kVec);
+            with_heads<SQ>(p1 - p0, [&](auto mq) {
+              with_heads<4>(kn, [&](auto k) {
+                prefill_scores<NV, decltype(mq)::value, decltype(k)::value>(
+                    qf.data() + p0 * D, kt.data() + x, ldt, s.data() + p0 * lds + x, lds);
+              });
+            });
+            x += kn * kVec;
+          }
+        }
+        for (int64_t p0 = 0; p0 < pairs; p0 += MQ) {
+          const int64_t p1 = std::min(pairs, p0 + MQ);
+          const auto [a, b] = range_of(p0, p1);
+          float inv[MQ];
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t t = t0 + p / G, f = first_of(t);
+            if (f >= lp[t]) {
+              inv[p - p0] = 0.f;
+              std::fill_n(s.data() + p * lds + a, b - a, 0.f);
+              continue;
+            }
+            inv[p - p0] = prefill_softmax(s.data() + p * lds + a, b - a, f - x0 - a, lp[t] - x0 - a);
+          }
+          with_heads<MQ>(p1 - p0, [&](auto mq) {
+            prefill_values<NV, decltype(mq)::value>(s.data() + p0 * lds + a, lds,
+                                                    vrow.data() + a, b - a, o.data());
+          });
+          for (int64_t p = p0; p < p1; ++p) {
+            T* dst = op + (t0 + p / G) * H * D + (hk * G + p % G) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[(p - p0) * D + d] * inv[p - p0]);
+          }
+        }
+      }
+    });
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& token_seq, const at::Tensor& context_lens,
+                             double scale, int64_t window) {
+  check_paged_attention(q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables, token_seq,
+                        context_lens, 0);
+  auto out = at::empty(q.sizes(), q.options());
+  if (q.size(0) == 0) return out;
+  bool done = false;
+  SL_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
+    done = prefill_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, token_seq,
+                                            context_lens, scale, window, out);
+  });
+  if (done) return out;
+  return paged_attention(q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables,
+                         token_seq, context_lens, scale, window, 0);
 }
 
 // ---- small-batch linear over oneDNN's packed weight -------------------------------------
@@ -2376,6 +2674,10 @@ TORCH_LIBRARY(steadylm_cpu, m) {
       "Tensor? v_scale_zero, Tensor block_tables, Tensor token_seq, Tensor context_lens, "
       "float scale, int window, int bits) -> Tensor",
       &paged_attention);
+  m.def(
+      "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor token_seq, Tensor context_lens, float scale, int window) -> Tensor",
+      &prefill_attention);
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
   m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
