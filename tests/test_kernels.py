@@ -339,33 +339,35 @@ def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_
         (4, 2, [6, 1], [100, 40], 0, 36),  # a head size the blocks do not take: paged_attention
     ],
 )
-def test_prefill_attention_matches_reference(dtype, heads, kv_heads, rows, lens, window, d):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
+def test_prefill_attention_matches_reference(amx, dtype, heads, kv_heads, rows, lens, window, d):
     """The prefill kernel (unquantized cache): scattered block tables, contexts that end
-    mid-block, rows after cached context, GQA / MHA / MQA, windows, tiles of several sizes."""
+    mid-block, rows after cached context, GQA / MHA / MQA, windows, tiles of several sizes;
+    a bf16 cache on AMX's tiles where the CPU has them (amx), and on the vector path."""
     torch.manual_seed(0)
     q, kv, _, tables, seq, ctx = _paged_case(dtype, 0, heads, kv_heads, rows, lens, nb=200, d=d)
     want = kernels.paged_attention_ref(q, *kv, None, None, tables, seq, ctx, 0.17, window)
-    got = ops.prefill_attention(q, *kv, tables, seq, ctx, 0.17, window)
+    got = ops.prefill_attention(q, *kv, tables, seq, ctx, 0.17, window, amx)
     torch.testing.assert_close(got, want, **_tol(dtype))
     # q as a row slice of a wider tensor (the fused qkv projection's output)
     wide = torch.cat([q, torch.randn(len(ctx), 2, q.shape[2], dtype=dtype)], dim=1)
-    assert torch.equal(
-        ops.prefill_attention(wide[:, :heads], *kv, tables, seq, ctx, 0.17, window), got
-    )
+    sliced = ops.prefill_attention(wide[:, :heads], *kv, tables, seq, ctx, 0.17, window, amx)
+    assert torch.equal(sliced, got)
 
 
 @needs_native
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (12, 4, 64), (6, 6, 16)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 100])
-def test_prefill_attention_row_is_independent_of_its_batch(dtype, heads, kv_heads, d, window):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
+def test_prefill_attention_row_is_independent_of_its_batch(amx, dtype, heads, kv_heads, d, window):
     """A prefill row computed alone, in another tile or with another thread count gives the
     same bits: a chunked prefill writes the unchunked one's K/V."""
     torch.manual_seed(0)
     q, kv, _, tables, seq, ctx = _paged_case(
         dtype, 0, heads, kv_heads, [90, 1, 130], [300, 7, 600], d=d
     )
-    tail = (0.17, window)
+    tail = (0.17, window, amx)
     batch = ops.prefill_attention(q, *kv, tables, seq, ctx, *tail)
     threads = torch.get_num_threads()
     for t in range(len(ctx)):
@@ -476,14 +478,16 @@ def test_short_prefills_take_the_prefill_kernel(model_dirs, monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_prefills_take_sdpa_where_the_cpu_has_amx(amx, model_dirs, monkeypatch):
-    """Where the CPU has AMX (oneDNN runs SDPA's bf16 matmuls on its tiles) a bf16 cache's
-    short prefills go to SDPA; an fp32 cache there, and either dtype without AMX, keep the
-    prefill kernel."""
+def test_bf16_prefills_on_amx_have_their_own_limit(amx, model_dirs, monkeypatch):
+    """Where the CPU has AMX a bf16 cache's prefills take the prefill kernel (its products on
+    AMX's tiles) up to AMX_BF16_PREFILL_CONTEXT tokens, SDPA past it; an fp32 cache there, and
+    either dtype without AMX, keep SHORT_PREFILL_CONTEXT."""
     from steadylm import platform
+    from steadylm.attention import torch_ref
 
     _, path = model_dirs("llama")
     monkeypatch.setattr(platform, "cpu_has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(torch_ref, "AMX_BF16_PREFILL_CONTEXT", 29)  # the prompt: 30 tokens
     rows_seen = []
 
     def counting(dtype, device):

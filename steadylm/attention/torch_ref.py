@@ -36,17 +36,21 @@ _LEVELS = {8: 255, 4: 15}
 # 503; 2 x 2k 1025 against 810 (SDPA ahead). bf16 where the CPU has no AMX takes it too: the
 # per-row kernel led SDPA there at 256 tokens and trailed it 1.3x at 512 and about level at 1k
 # (Zen 4 VM), and this kernel is 1.6x / 1.45x the per-row kernel at 512 / 1k. 0 keeps SDPA for
-# every prefill. A bf16 cache on a CPU with AMX keeps SDPA at every length
-# (`short_prefill_context`): its bf16 matmuls run on AMX tiles there (16 x 256: 77 ms against
-# this kernel's 128).
+# every prefill.
 SHORT_PREFILL_CONTEXT = 1024
+# The same for a bf16 cache on a CPU with AMX (`short_prefill_context`), where SDPA's bf16
+# matmuls run on AMX tiles and so do the kernel's (cpu_ops.cpp amx_prefill_attention): same
+# shapes, bf16, the kernel against SDPA: 16 x 256 73 / 76 ms, 8 x 512 123 / 129, 4 x 1k
+# 220 / 201 (SDPA ahead); the engine's SDPA also gathers the blocks (W1's bf16 first token
+# 0.495 -> 0.46 s). 0 keeps SDPA there.
+AMX_BF16_PREFILL_CONTEXT = 512
 
 
 def short_prefill_context(dtype: torch.dtype) -> int:
     """The longest context whose prefill takes the native prefill kernel (unquantized cache):
-    SHORT_PREFILL_CONTEXT, or 0 (SDPA) for bf16 where the CPU has AMX."""
+    SHORT_PREFILL_CONTEXT, or AMX_BF16_PREFILL_CONTEXT for bf16 where the CPU has AMX."""
     if dtype == torch.bfloat16 and platform.cpu_has_amx_bf16():
-        return 0
+        return AMX_BF16_PREFILL_CONTEXT
     return SHORT_PREFILL_CONTEXT
 
 
