@@ -308,21 +308,28 @@ def test_paged_attention_row_is_independent_of_its_batch(dtype, bits, heads, kv_
     q, kv, sz, tables, seq, ctx = _paged_case(
         dtype, bits, heads, kv_heads, [90, 1, 30], [300, 7, 600], d=d
     )
-    args = (*kv, *sz)
-    tail = (0.17, window, bits)
-    batch = ops.paged_attention(q, *args, tables, seq, ctx, *tail)
-    threads = torch.get_num_threads()
+
+    def run(q, tables, seq, ctx):
+        return ops.paged_attention(q, *kv, *sz, tables, seq, ctx, 0.17, window, bits)
+
+    _assert_rows_independent(run, q, tables, seq, ctx)
+
+
+def _assert_rows_independent(run, q, tables, seq, ctx):
+    """run(q, block_tables, token_seq, context_lens) gives every row the same bits alone as in
+    the whole batch, and with one thread as with more; returns the batch's result."""
+    batch = run(q, tables, seq, ctx)
     for t in range(len(ctx)):
         s = int(seq[t])
-        alone = ops.paged_attention(
-            q[t : t + 1], *args, tables[s : s + 1], seq[:1] * 0, ctx[t : t + 1], *tail
-        )
+        alone = run(q[t : t + 1], tables[s : s + 1], seq[:1] * 0, ctx[t : t + 1])
         assert torch.equal(alone[0], batch[t]), t
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(ops.paged_attention(q, *args, tables, seq, ctx, *tail), batch)
+        assert torch.equal(run(q, tables, seq, ctx), batch)
     finally:
         torch.set_num_threads(threads)
+    return batch
 
 
 @needs_native
@@ -367,24 +374,14 @@ def test_prefill_attention_row_is_independent_of_its_batch(amx, dtype, heads, kv
     q, kv, _, tables, seq, ctx = _paged_case(
         dtype, 0, heads, kv_heads, [90, 1, 130], [300, 7, 600], d=d
     )
-    tail = (0.17, window, amx)
-    batch = ops.prefill_attention(q, *kv, tables, seq, ctx, *tail)
-    threads = torch.get_num_threads()
-    for t in range(len(ctx)):
-        s = int(seq[t])
-        alone = ops.prefill_attention(
-            q[t : t + 1], *kv, tables[s : s + 1], seq[:1] * 0, ctx[t : t + 1], *tail
-        )
-        assert torch.equal(alone[0], batch[t]), t
+
+    def run(q, tables, seq, ctx):
+        return ops.prefill_attention(q, *kv, tables, seq, ctx, 0.17, window, amx)
+
+    batch = _assert_rows_independent(run, q, tables, seq, ctx)
     # the second half of the last sequence's rows as a chunk of their own
     half = len(ctx) - 65
-    chunk = ops.prefill_attention(q[half:], *kv, tables[2:], seq[half:] * 0, ctx[half:], *tail)
-    assert torch.equal(chunk, batch[half:])
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(ops.prefill_attention(q, *kv, tables, seq, ctx, *tail), batch)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(run(q[half:], tables[2:], seq[half:] * 0, ctx[half:]), batch[half:])
 
 
 @needs_native

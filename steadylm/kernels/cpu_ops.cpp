@@ -1319,6 +1319,20 @@ struct RowKeys {
     start.push_back(T);
     return start;
   }
+  // prefill_attention: the (row, head) pairs [p0, p1) of a tile from row t0 (G heads a row):
+  // the union of their rows' keys in whole units of `align` at absolute positions, relative
+  // to x0 ([n, 0): none).
+  std::pair<int64_t, int64_t> pair_keys(int64_t t0, int64_t G, int64_t p0, int64_t p1,
+                                        int64_t align, int64_t x0, int64_t n) const {
+    int64_t a = n, b = 0;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = t0 + p / G, f = first(t);
+      if (f >= lp[t]) continue;
+      a = std::min(a, f / align * align - x0);
+      b = std::max(b, (lp[t] + align - 1) / align * align - x0);
+    }
+    return {a, b};
+  }
 };
 
 template <typename T>
@@ -1335,7 +1349,6 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const RowKeys keys{sp, lp, window};
-  const auto first_of = [&](int64_t t) { return keys.first(t); };
   const std::vector<int64_t> tile_start = keys.tiles(T_, kQTile);
   const int64_t ntiles = static_cast<int64_t>(tile_start.size()) - 1;
   int64_t max_span = 0;
@@ -1406,7 +1419,7 @@ void paged_attention_impl(const at::Tensor& q, const KVReader<T>& kr, const KVRe
         int64_t seq_end = 0;                    // the tile's last cached position + 1
         for (int64_t t = t0; t < t1; ++t) {
           seq_end = std::max(seq_end, lp[t]);
-          ra[t - t0] = std::max(s_lo, first_of(t));
+          ra[t - t0] = std::max(s_lo, keys.first(t));
           rb[t - t0] = std::min(s_lo + kSpan, lp[t]);
           lo = std::min(lo, ra[t - t0]);
           hi = std::max(hi, rb[t - t0]);
@@ -1810,6 +1823,18 @@ PrefillPlan prefill_plan(const RowKeys& keys, int64_t T, int64_t G, int64_t alig
   return plan;
 }
 
+// prefill_attention's outputs of pairs [p0, p1) of a tile from row t0 (G heads a row, KV head
+// hk): o's rows (D floats each, from pair p0) times inv; inv nullptr: zeros (no keys).
+template <typename T>
+void store_pairs(T* out, int64_t H, int64_t D, int64_t G, int64_t hk, int64_t t0, int64_t p0,
+                 int64_t p1, const float* o, const float* inv) {
+  for (int64_t p = p0; p < p1; ++p) {
+    T* dst = out + ((t0 + p / G) * H + hk * G + p % G) * D;
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = inv ? from_f<T>(o[(p - p0) * D + d] * inv[p - p0]) : T(0.f);
+  }
+}
+
 // False (nothing computed) for a head size the register blocks do not take.
 template <typename T>
 bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -1827,7 +1852,6 @@ bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const RowKeys keys{sp, lp, window};
-  const auto first_of = [&](int64_t t) { return keys.first(t); };
   const PrefillPlan plan = prefill_plan(keys, T_, G, kVec);
   const int64_t tile_rows = plan.tile_rows, ntiles = plan.tiles(), width = plan.width;
   const std::vector<int64_t>&tile_start = plan.start, &tile_lo = plan.lo, &tile_hi = plan.hi;
@@ -1846,10 +1870,8 @@ bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
         const int64_t tile = item / hkv, hk = item % hkv;
         const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
         const int64_t lo = tile_lo[tile], hi = tile_hi[tile];  // the rows' union of keys
-        if (lo >= hi) {
-          for (int64_t t = t0; t < t0 + rows; ++t)  // no keys: zeros, as paged_attention
-            for (int64_t g = 0; g < G; ++g)
-              std::fill_n(op + t * H * D + (hk * G + g) * D, D, T(0.f));
+        if (lo >= hi) {  // no keys (contexts of 0): zeros
+          store_pairs(op, H, D, G, hk, t0, 0, rows * G, nullptr, nullptr);
           continue;
         }
         const int64_t x0 = lo / kVec * kVec, n = (hi + kVec - 1) / kVec * kVec - x0;
@@ -1885,17 +1907,9 @@ bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
           for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d)
               qf[(r * G + g) * D + d] = to_f(qp[(t0 + r) * qs + (hk * G + g) * D + d]) * sc;
-        // A group of pairs: its keys [a, b) of the buffer (whole vectors), the union of its
-        // rows' ranges.
+        // A group of pairs: its keys [a, b) of the buffer (whole vectors).
         auto range_of = [&](int64_t p0, int64_t p1) {
-          int64_t a = n, b = 0;
-          for (int64_t p = p0; p < p1; ++p) {
-            const int64_t t = t0 + p / G, f = first_of(t);
-            if (f >= lp[t]) continue;
-            a = std::min(a, f / kVec * kVec - x0);
-            b = std::max(b, (lp[t] + kVec - 1) / kVec * kVec - x0);
-          }
-          return std::make_pair(a, b);
+          return keys.pair_keys(t0, G, p0, p1, kVec, x0, n);
         };
         for (int64_t p0 = 0; p0 < pairs; p0 += SQ) {
           const int64_t p1 = std::min(pairs, p0 + SQ);
@@ -1916,7 +1930,7 @@ bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
           const auto [a, b] = range_of(p0, p1);
           float inv[MQ];
           for (int64_t p = p0; p < p1; ++p) {
-            const int64_t t = t0 + p / G, f = first_of(t);
+            const int64_t t = t0 + p / G, f = keys.first(t);
             if (f >= lp[t]) {
               inv[p - p0] = 0.f;
               std::fill_n(s.data() + p * lds + a, b - a, 0.f);
@@ -1928,10 +1942,7 @@ bool prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
             prefill_values<NV, decltype(mq)::value>(s.data() + p0 * lds + a, lds,
                                                     vrow.data() + a, b - a, o.data());
           });
-          for (int64_t p = p0; p < p1; ++p) {
-            T* dst = op + (t0 + p / G) * H * D + (hk * G + p % G) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[(p - p0) * D + d] * inv[p - p0]);
-          }
+          store_pairs(op, H, D, G, hk, t0, p0, p1, o.data(), inv);
         }
       }
     });
@@ -2428,8 +2439,7 @@ bool amx_prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::
       const int64_t t0 = plan.start[tile], rows = plan.start[tile + 1] - t0;
       const int64_t lo = plan.lo[tile], hi = plan.hi[tile];
       if (lo >= hi) {
-        for (int64_t t = t0; t < t0 + rows; ++t)
-          for (int64_t g = 0; g < G; ++g) std::fill_n(op + t * H * D + (hk * G + g) * D, D, T(0.f));
+        store_pairs(op, H, D, G, hk, t0, 0, rows * G, nullptr, nullptr);
         continue;
       }
       const int64_t x0 = lo / kKeys * kKeys, n = (hi + kKeys - 1) / kKeys * kKeys - x0;
@@ -2471,13 +2481,8 @@ bool amx_prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::
       }
       for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
         const int64_t p1 = std::min(pairs, p0 + 16);
-        int64_t a = n, b = 0;  // the block's keys in the buffers, whole tiles of kKeys
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t t = t0 + p / G, f = keys.first(t);
-          if (f >= lp[t]) continue;
-          a = std::min(a, f / kKeys * kKeys - x0);
-          b = std::max(b, (lp[t] + kKeys - 1) / kKeys * kKeys - x0);
-        }
+        // the block's keys in the buffers, whole tiles of kKeys
+        const auto [a, b] = keys.pair_keys(t0, G, p0, p1, kKeys, x0, n);
         float* sb = s.data() + p0 * lds;
         T* wb = pb.data() + p0 * lds;
         for (int64_t x = a; x < b; x += 16) {
@@ -2510,10 +2515,7 @@ bool amx_prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::
           }
           _tile_stored(2, ob.data() + c * 16, D * 4);
         }
-        for (int64_t p = p0; p < p1; ++p) {
-          T* dst = op + (t0 + p / G) * H * D + (hk * G + p % G) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(ob[(p - p0) * D + d] * inv[p - p0]);
-        }
+        store_pairs(op, H, D, G, hk, t0, p0, p1, ob.data(), inv);
       }
     }
     _tile_release();
