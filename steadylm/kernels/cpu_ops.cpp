@@ -1228,17 +1228,23 @@ inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero,
     }
     return;
   }
-  // 4 bits: byte j holds dims 2j (low nibble) and 2j + 1; 16 bytes make two vectors.
+  // 4 bits: a code takes one of 16 values, so the row's 16 dequantized values are computed
+  // once (dequant_vec on the codes 0-15: the same arithmetic, so the same bits) and each dim
+  // looks its value up by its code (vpermps reads an index's low 4 bits). Byte j holds dims
+  // 2j (low nibble) and 2j + 1; each byte goes to two lanes, the odd one shifted right by 4.
+  // (bf16: two roundings a vector of dims before, one table a row now; W1 of the bench
+  // model with an int4 cache, docs/benchmarks.md 2026-12-06 eighteenth session.)
+  const __m512 table = dequant_vec<T>(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sv, zv);
+  const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
   for (int i = 0; i < NV; i += 2) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 8 * i));
-    const __m256i w = _mm256_cvtepu8_epi16(b);
-    const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0xF)), hi = _mm256_srli_epi16(w, 4);
-    const __m256i a = _mm256_unpacklo_epi16(lo, hi), u = _mm256_unpackhi_epi16(lo, hi);
-    const __m256i first = _mm256_permute2x128_si256(a, u, 0x20);   // bytes 0-7, in order
-    const __m256i second = _mm256_permute2x128_si256(a, u, 0x31);  // bytes 8-15
-    out[i] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(first)), sv, zv);
-    if (i + 1 < NV)
-      out[i + 1] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(second)), sv, zv);
+    const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));  // bytes 0-7, twice
+    out[i] = Vec(_mm512_permutexvar_ps(_mm512_srlv_epi32(first, odd), table));
+    if (i + 1 < NV) {
+      const __m512i second = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(b, b));  // bytes 8-15
+      out[i + 1] = Vec(_mm512_permutexvar_ps(_mm512_srlv_epi32(second, odd), table));
+    }
   }
 }
 
