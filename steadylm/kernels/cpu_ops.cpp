@@ -1019,6 +1019,70 @@ inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
+// key's row is dequantized into registers, to the values KVReader::row writes (dequant_vec),
+// and goes
+// straight into score_pass's / value_pass's arithmetic in the same order, so the scores,
+// weights and outputs are the buffered path's bit for bit (a test compares them). It saves
+// writing and re-reading 2 x 64 KiB of fp32 rows per (span, KV head) for the one row a decode
+// tile has; a prefill tile's rows share the buffers instead. 16k context, 12 layers, 12 query
+// / 4 KV heads of 64, 2 threads, Zen 4 VM, alternating builds: int8 12.03 -> 10.64 ms, int4
+// 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound); a bf16 model
+// int8 19.53 -> 16.53, int4 22.95 -> 18.61.
+// x rounded to bfloat16 and back, as c10::BFloat16 rounds (to nearest even, NaN to a quiet
+// NaN), lane by lane in integer ops.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(0xFFFF0000u));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000)));
+}
+
+// code * scale + zero as KVReader<T>::row computes it: for an fp32 model one fused
+// multiply-add, for bf16 the product and the sum each rounded.
+template <typename T>
+inline Vec dequant_vec(__m512 c, __m512 sv, __m512 zv) {
+  if constexpr (std::is_same_v<T, float>) return Vec(_mm512_fmadd_ps(c, sv, zv));
+  else return Vec(round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(c, sv)), zv)));
+}
+
+// The 16 values an int4 code can take for a row's scale and zero (dequant_vec on the codes
+// 0-15: the same arithmetic, so the same bits); dequant16 looks each dim's value up in it.
+template <typename T>
+inline __m512 int4_table(__m512 sv, __m512 zv) {
+  return dequant_vec<T>(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sv,
+                        zv);
+}
+
+// Dims [16 i, 16 i + 16) of a cached row from its codes: int8 through dequant_vec; int4 by
+// looking each code up in the row's int4_table (vpermps reads an index's low 4 bits; bf16
+// rounded twice per vector of dims before, once per row now: W1 of the bench model with an
+// int4 cache, docs/benchmarks.md, the eighteenth session). Byte j holds dims 2j (low nibble)
+// and 2j + 1: each byte goes to two lanes, the odd one shifted right by 4.
+template <typename T>
+inline __m512 dequant16(const uint8_t* c, int64_t bits, int64_t i, __m512 sv, __m512 zv,
+                        __m512 table) {
+  if (bits == 8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
+    return dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv);
+  }
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i));
+  const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i codes = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)), odd);
+  return _mm512_permutexvar_ps(codes, table);
+}
+
+template <typename T, int NV>
+inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero, Vec* out) {
+  const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
+  const __m512 table = bits == 4 ? int4_table<T>(sv, zv) : sv;
+  for (int i = 0; i < NV; ++i) out[i] = Vec(dequant16<T>(c, bits, i, sv, zv, table));
+}
+#endif
+
 template <typename T>
 struct KVReader {
   const uint8_t* codes;  // bits 8 / 4
@@ -1044,6 +1108,16 @@ struct KVReader {
       return;
     }
     const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
+    const uint8_t* c = codes + idx * (bits == 8 ? d : d / 2);
+#if defined(CPU_CAPABILITY_AVX512)
+    if (d % kVec == 0) {  // dequant_row's vectors (the loops below give the same bits)
+      const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
+      const __m512 table = bits == 4 ? int4_table<T>(sv, zv) : sv;
+      for (int64_t i = 0; i < d / kVec; ++i)
+        _mm512_storeu_ps(out + i * kVec, dequant16<T>(c, bits, i, sv, zv, table));
+      return;
+    }
+#endif
     // An fp32 model: one fused multiply-add, written out (dequant_vec's, bit for bit, not
     // left to GCC's contraction). bf16: the product rounded, then the sum.
     auto dq = [&](float c) {
@@ -1051,10 +1125,8 @@ struct KVReader {
       else return round_to<T>(round_to<T>(c * scale) + zero);
     };
     if (bits == 8) {
-      const uint8_t* c = codes + idx * d;
       for (int64_t i = 0; i < d; ++i) out[i] = dq(static_cast<float>(c[i]));
     } else {
-      const uint8_t* c = codes + idx * (d / 2);
       for (int64_t i = 0; i < d / 2; ++i) {
         out[2 * i] = dq(static_cast<float>(c[i] & 0xF));
         out[2 * i + 1] = dq(static_cast<float>(c[i] >> 4));
@@ -1189,65 +1261,6 @@ inline void score_rows_t(const float* q, int64_t M, const float* kt, int64_t ldt
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-// One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
-// key's row is dequantized into registers, to the values KVReader::row writes (dequant_vec),
-// and goes
-// straight into score_pass's / value_pass's arithmetic in the same order, so the scores,
-// weights and outputs are the buffered path's bit for bit (a test compares them). It saves
-// writing and re-reading 2 x 64 KiB of fp32 rows per (span, KV head) for the one row a decode
-// tile has; a prefill tile's rows share the buffers instead. 16k context, 12 layers, 12 query
-// / 4 KV heads of 64, 2 threads, Zen 4 VM, alternating builds: int8 12.03 -> 10.64 ms, int4
-// 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound); a bf16 model
-// int8 19.53 -> 16.53, int4 22.95 -> 18.61.
-// x rounded to bfloat16 and back, as c10::BFloat16 rounds (to nearest even, NaN to a quiet
-// NaN), lane by lane in integer ops.
-inline __m512 round_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(0xFFFF0000u));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000)));
-}
-
-// code * scale + zero as KVReader<T>::row computes it: for an fp32 model one fused
-// multiply-add, for bf16 the product and the sum each rounded.
-template <typename T>
-inline Vec dequant_vec(__m512 c, __m512 sv, __m512 zv) {
-  if constexpr (std::is_same_v<T, float>) return Vec(_mm512_fmadd_ps(c, sv, zv));
-  else return Vec(round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(c, sv)), zv)));
-}
-
-template <typename T, int NV>
-inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero, Vec* out) {
-  const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
-  if (bits == 8) {
-    for (int i = 0; i < NV; ++i) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
-      out[i] = dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv);
-    }
-    return;
-  }
-  // 4 bits: a code takes one of 16 values, so the row's 16 dequantized values are computed
-  // once (dequant_vec on the codes 0-15: the same arithmetic, so the same bits) and each dim
-  // looks its value up by its code (vpermps reads an index's low 4 bits). Byte j holds dims
-  // 2j (low nibble) and 2j + 1; each byte goes to two lanes, the odd one shifted right by 4.
-  // (bf16: two roundings a vector of dims before, one table a row now; W1 of the bench
-  // model with an int4 cache, docs/benchmarks.md 2026-12-06 eighteenth session.)
-  const __m512 table = dequant_vec<T>(
-      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sv, zv);
-  const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  for (int i = 0; i < NV; i += 2) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 8 * i));
-    const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));  // bytes 0-7, twice
-    out[i] = Vec(_mm512_permutexvar_ps(_mm512_srlv_epi32(first, odd), table));
-    if (i + 1 < NV) {
-      const __m512i second = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(b, b));  // bytes 8-15
-      out[i + 1] = Vec(_mm512_permutexvar_ps(_mm512_srlv_epi32(second, odd), table));
-    }
-  }
-}
-
 // score_rows (one KV head, its G <= kAccRegs / NV query heads in one pass) with key t's row
 // from row_of(t) -> (codes, scale, zero). This and value_codes are noinline on purpose:
 // inlined into the tile loop, a 16k int8 decode step of 12 layers took 15.0-15.5 ms against
