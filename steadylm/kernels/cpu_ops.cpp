@@ -1020,16 +1020,11 @@ inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
-// key's row is dequantized into registers, to the values KVReader::row writes (dequant_vec),
-// and goes
-// straight into score_pass's / value_pass's arithmetic in the same order, so the scores,
-// weights and outputs are the buffered path's bit for bit (a test compares them). It saves
-// writing and re-reading 2 x 64 KiB of fp32 rows per (span, KV head) for the one row a decode
-// tile has; a prefill tile's rows share the buffers instead. 16k context, 12 layers, 12 query
-// / 4 KV heads of 64, 2 threads, Zen 4 VM, alternating builds: int8 12.03 -> 10.64 ms, int4
-// 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound); a bf16 model
-// int8 19.53 -> 16.53, int4 22.95 -> 18.61.
+// ---- A quantized cache's rows in vectors (AVX-512) -----------------------------------------
+// dequant16 gives 16 dims of a cached row at a time, to the decode rows' registers
+// (dequant_row, score_codes / value_codes below) and to a prefill tile's fp32 buffers
+// (KVReader::row) alike: one function, so both paths of a build read the same values.
+
 // x rounded to bfloat16 and back, as c10::BFloat16 rounds (to nearest even, NaN to a quiet
 // NaN), lane by lane in integer ops.
 inline __m512 round_bf16(__m512 x) {
@@ -1110,7 +1105,7 @@ struct KVReader {
     const float scale = to_f(params[idx * 2]), zero = to_f(params[idx * 2 + 1]);
     const uint8_t* c = codes + idx * (bits == 8 ? d : d / 2);
 #if defined(CPU_CAPABILITY_AVX512)
-    if (d % kVec == 0) {  // dequant_row's vectors (the loops below give the same bits)
+    if (d % kVec == 0) {  // dequant_row's vectors (the loops below: other sizes and CPUs)
       const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
       const __m512 table = bits == 4 ? int4_table<T>(sv, zv) : sv;
       for (int64_t i = 0; i < d / kVec; ++i)
@@ -1261,6 +1256,16 @@ inline void score_rows_t(const float* q, int64_t M, const float* kt, int64_t ldt
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
+// One decode row over a quantized span without the fp32 buffers (int8 or int4 codes): each
+// key's row is dequantized into registers, to the values KVReader::row writes (dequant16),
+// and goes straight into score_pass's / value_pass's arithmetic in the same order, so the
+// scores, weights and outputs are the buffered path's bit for bit (a test compares them). It
+// saves writing and re-reading 2 x 64 KiB of fp32 rows per (span, KV head) for the one row a
+// decode tile has; a prefill tile's rows share the buffers instead. 16k context, 12 layers,
+// 12 query / 4 KV heads of 64, 2 threads, Zen 4 VM, alternating builds: int8 12.03 -> 10.64
+// ms, int4 13.70 -> 11.04 (a read of their bytes: 3.4 and 1.5 ms; still compute-bound); a
+// bf16 model int8 19.53 -> 16.53, int4 22.95 -> 18.61.
+//
 // score_rows (one KV head, its G <= kAccRegs / NV query heads in one pass) with key t's row
 // from row_of(t) -> (codes, scale, zero). This and value_codes are noinline on purpose:
 // inlined into the tile loop, a 16k int8 decode step of 12 layers took 15.0-15.5 ms against
