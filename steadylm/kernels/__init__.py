@@ -257,10 +257,7 @@ def native_decode_attention(cache_dtype: torch.dtype, device: torch.device):
     """The native paged decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale,
     window) -> out` for an unquantized cache of this dtype and device, or None: the caller
     keeps its own batched reference (attention/torch_ref.py)."""
-    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
-        return None
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention
+    return _native_attention("paged_decode_attention", cache_dtype, device)
 
 
 def native_paged_attention(dtype: torch.dtype, device: torch.device):
@@ -269,10 +266,7 @@ def native_paged_attention(dtype: torch.dtype, device: torch.device):
     rows, unquantized or int8 / int4 cache) for a model of this dtype and device, or None: the
     caller keeps its own batched reference (attention/torch_ref.py). Each query row's bits are
     independent of the rest of the batch (cpu_ops.cpp states how)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    ops = native_ops()
-    return None if ops is None else ops.paged_attention
+    return _native_attention("paged_attention", dtype, device)
 
 
 def native_prefill_attention(dtype: torch.dtype, device: torch.device):
@@ -282,10 +276,16 @@ def native_prefill_attention(dtype: torch.dtype, device: torch.device):
     scores are held whole) for a model of this dtype and device, or None. Each row's bits are
     independent of the rest of the batch, as with paged_attention, but not equal to the
     decode kernel's (cpu_ops.cpp states how)."""
+    return _native_attention("prefill_attention", dtype, device)
+
+
+def _native_attention(name: str, dtype: torch.dtype, device: torch.device):
+    """The native attention op `name` for this dtype and device, or None (not the CPU, a
+    dtype the kernels do not take, or no native build)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     ops = native_ops()
-    return None if ops is None else ops.prefill_attention
+    return None if ops is None else getattr(ops, name)
 
 
 def native_decode_layers():
