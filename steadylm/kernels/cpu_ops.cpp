@@ -2365,6 +2365,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg with the whole 64-byte configuration as its operand. GCC 12's _tile_loadconfig
+// tells the optimiser it reads the first 8 bytes only (`"m" (*(const void **)config)`), so
+// the stores of the rows and widths before it are dead to GCC and may be dropped: a
+// configuration filled through a lambda faulted at ldtilecfg with only its palette written
+// (docs/benchmarks.md, nineteenth session). Every tile configuration loads through here.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("ldtilecfg\t%X0" : : "m"(cfg));
+}
+
 // y (m, n) = x (m, k) @ W^T (+ bias), m <= kAmxRows, k % kAmxK == 0, W in 32-column blocks.
 // Tiles: 0 A, 1-2 B, 3-6 C.
 void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
@@ -2381,7 +2390,7 @@ void amx_gemv(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
       cfg.rows[t] = static_cast<uint8_t>(m);
       cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
     alignas(64) float buf[kAmxRows * kPackBlock];
     for (int64_t b0, b1; claim(b0, b1);) {
       for (int64_t b = b0; b < b1; ++b) {
@@ -2453,7 +2462,7 @@ bool amx_prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     TileConfig cfg;  // tiles of 16 rows x 64 bytes: 0-1 A / B of the scores, 2 C, 3-4 A / B of the values
     for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
     std::vector<T> qb(pairs_max * D), kb(plan.width * D), vb(plan.width * D), pb(pairs_max * lds),
         rowbuf(16 * D);
     std::vector<float> s(pairs_max * lds), ob(16 * D);
