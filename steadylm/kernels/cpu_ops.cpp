@@ -2371,7 +2371,7 @@ struct alignas(64) TileConfig {
 // configuration filled through a lambda faulted at ldtilecfg with only its palette written
 // (docs/benchmarks.md, nineteenth session). Every tile configuration loads through here.
 inline void load_tile_config(const TileConfig& cfg) {
-  asm volatile("ldtilecfg\t%X0" : : "m"(cfg));
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // y (m, n) = x (m, k) @ W^T (+ bias), m <= kAmxRows, k % kAmxK == 0, W in 32-column blocks.
