@@ -87,11 +87,13 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 17, 32000, 151936])
-def test_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab):
+def test_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab, dtype):
     """The native argmax returns torch.argmax's index on random rows, on ties (the first
     maximum), on rows holding NaN (the first NaN), and on rows of -inf (index 0), at lengths
-    that do and do not fill whole vectors."""
+    that do and do not fill whole vectors; bf16 rows (more ties) the index of their float32
+    copy's."""
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=g)
     x[1] = x[1].round()  # many ties
@@ -103,11 +105,12 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab):
     x[6, vocab - 1] = float("nan")
     x[7, -1] = x[7].max() + 1  # the maximum in the tail past the last whole vector
     x[8, 0] = x[8].max() + 1
-    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(
-        kernels.argmax(x[:, : max(vocab // 2, 1)]), x[:, : max(vocab // 2, 1)].argmax(dim=-1)
-    )  # a strided view: torch's
+    x = x.to(dtype)
+    want = x.float().argmax(dim=-1)
+    assert torch.equal(ops.argmax(x), want)
+    assert torch.equal(kernels.argmax(x), want)
+    half = x[:, : max(vocab // 2, 1)]
+    assert torch.equal(kernels.argmax(half), half.float().argmax(dim=-1))  # a strided view
 
 
 @needs_native

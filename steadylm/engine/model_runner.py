@@ -266,12 +266,13 @@ class ModelRunner:
         rows = [s + r.num_new_tokens - 1 for r, s in zip(order, starts) if r.samples]
         if len(rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+        requests = [r.req for r in sampling]
+        # Every row's token the argmax of its logits: no float32 copy of them.
+        logits = self.model.compute_logits(hidden, not self.sampler.plain_greedy(requests))
         self.in_collectives = False
         self._count(timer)
         if logits is None:  # a tensor-parallel worker: rank 0 samples
             return {}
-        requests = [r.req for r in sampling]
         result = self.sampler(logits, requests)
         return {
             r.request_id: (tok, lp)

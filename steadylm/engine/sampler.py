@@ -50,9 +50,28 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
+    @staticmethod
+    def plain_greedy(requests: list[SamplingRow]) -> bool:
+        """Whether each row's token is the argmax of its raw logits: every row greedy, with no
+        logprobs, bans (bad words, or stop tokens before min_new_tokens), penalties, logit
+        bias or token bitmask. Such a step's logits may stay in the model's dtype."""
+        return all(
+            r.params.greedy
+            and r.params.logprobs is None
+            and not r.params.bad_token_ids
+            and r.num_output_tokens >= r.params.min_new_tokens
+            and r.params.repetition_penalty == 1.0
+            and not r.params.presence_penalty
+            and not r.params.frequency_penalty
+            and not r.params.logit_bias
+            and getattr(r, "token_bitmask", None) is None
+            for r in requests
+        )
+
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
-        """logits (S, V) float32, one row per request that samples this step. If it raises,
-        the seeded generators are as before the call, so a retried request draws the same."""
+        """logits (S, V), one row per request that samples this step: float32, or any float
+        dtype when `plain_greedy(requests)`. If it raises, the seeded generators are as before
+        the call, so a retried request draws the same."""
         saved = {
             r.request_id: self.request_generators[r.request_id].get_state()
             for r in requests
@@ -70,6 +89,9 @@ class Sampler:
             raise
 
     def _sample_step(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
+        if self.plain_greedy(requests):
+            return SamplerOutput(kernels.argmax(logits).tolist(), [None] * len(requests))
+        logits = logits.float()  # (float32 already unless plain_greedy)
         raw = logits
         logits = self._apply_penalties(logits, requests)
         raw_logprobs = None

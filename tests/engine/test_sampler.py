@@ -80,6 +80,42 @@ def test_greedy_is_argmax():
     assert out.token_ids == [0]
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(logprobs=2),
+        dict(bad_token_ids=(0,)),
+        dict(min_new_tokens=1, stop_token_ids=(0,)),
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(logit_bias=((0, -5.0),)),
+    ],
+)
+def test_plain_greedy_only_where_the_token_is_the_raw_argmax(kw):
+    """A step whose rows are all greedy with nothing that changes the argmax takes it straight
+    from the logits in their dtype (bf16: no float32 copy); one row with anything else sends
+    the whole batch the full way, where bf16 logits are widened first."""
+    greedy = Request("g", [1], SamplingParams())
+    other = Request("o", [1], SamplingParams(**kw))
+    assert Sampler.plain_greedy([greedy, greedy])
+    assert not Sampler.plain_greedy([greedy, other])
+    bf16 = torch.stack([LOGITS, LOGITS.flip(0)]).to(torch.bfloat16)
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler(bf16, [greedy, greedy]).token_ids == [0, len(LOGITS) - 1]
+    want = sampler(bf16.float(), [greedy, other])
+    assert sampler(bf16, [greedy, other]).token_ids[0] == want.token_ids[0] == 0
+    if "logprobs" in kw:
+        assert sampler(bf16, [greedy, other]).logprobs[1] == want.logprobs[1] is not None
+
+
+def test_plain_greedy_respects_a_token_bitmask():
+    row = Request("g", [1], SamplingParams())
+    row.token_bitmask = torch.ones(1, dtype=torch.int32)
+    assert not Sampler.plain_greedy([row])
+
+
 def test_seeded_row_does_not_depend_on_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
     alone = [
