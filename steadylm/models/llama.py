@@ -297,12 +297,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(ids, positions, backend, cache, md)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
-        """(S, V) logits, float32 (else in the model's dtype, for a step whose tokens are their
-        argmax: `Sampler.plain_greedy`); at tp > 1 gathered on rank 0 (None on the other
-        ranks)."""
+        """(S, V) float32 logits (at tp == 1 with float32=False, as the lm_head wrote them: for a
+        step whose tokens are their argmax, `Sampler.plain_greedy`); at tp > 1 gathered on rank
+        0 (None on the other ranks)."""
         logits = self.lm_head(hidden)
-        logits = logits.float() if float32 else logits
         if parallel.world_size() == 1:
-            return logits
-        full = parallel.gather_to_first(logits, dim=-1)
+            return logits.float() if float32 else logits
+        full = parallel.gather_to_first(logits.float(), dim=-1)
         return None if full is None else full[:, : self.cfg.vocab_size]
