@@ -53,19 +53,10 @@ class Sampler:
     @staticmethod
     def plain_greedy(requests: list[SamplingRow]) -> bool:
         """Whether each row's token is the argmax of its raw logits: every row greedy, with no
-        logprobs, bans (bad words, or stop tokens before min_new_tokens), penalties, logit
-        bias or token bitmask. Such a step's logits may stay in the model's dtype."""
+        logprobs and nothing that edits its logits (`_edits_logits`). Such a step's logits may
+        stay in the model's dtype."""
         return all(
-            r.params.greedy
-            and r.params.logprobs is None
-            and not r.params.bad_token_ids
-            and r.num_output_tokens >= r.params.min_new_tokens
-            and r.params.repetition_penalty == 1.0
-            and not r.params.presence_penalty
-            and not r.params.frequency_penalty
-            and not r.params.logit_bias
-            and getattr(r, "token_bitmask", None) is None
-            for r in requests
+            r.params.greedy and r.params.logprobs is None and not _edits_logits(r) for r in requests
         )
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
@@ -109,11 +100,11 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:
+        if not any(_edits_logits(r) for r in requests):  # the plain_greedy fast path relies on it
+            return logits
         banned_rows, banned_cols = [], []
         for i, r in enumerate(requests):
-            ids = list(r.params.bad_token_ids)
-            if r.num_output_tokens < r.params.min_new_tokens:
-                ids += list(r.params.stop_token_ids) + list(r.eos_token_ids)
+            ids = _banned_ids(r)
             banned_rows += [i] * len(ids)
             banned_cols += ids
         penalised = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
@@ -123,8 +114,6 @@ class Sampler:
             if r.params.presence_penalty or r.params.frequency_penalty
         ]
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
-        if not banned_rows and not penalised and not counted and not biased:
-            return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
         # Ids past the vocabulary can never be sampled: nothing to ban (clamping them would
@@ -178,6 +167,30 @@ class Sampler:
             g = torch.Generator(device=self.device).manual_seed(r.params.seed)
             self.request_generators[r.request_id] = g
         return g
+
+
+def _banned_ids(r: SamplingRow) -> list[int]:
+    """Token ids the row may not produce this step: its bad words, and its stop and EOS tokens
+    until min_new_tokens."""
+    ids = list(r.params.bad_token_ids)
+    if r.num_output_tokens < r.params.min_new_tokens:
+        ids += list(r.params.stop_token_ids) + list(r.eos_token_ids)
+    return ids
+
+
+def _edits_logits(r: SamplingRow) -> bool:
+    """Whether `_apply_penalties` or `_apply_bitmask` change this row's logits: bans,
+    penalties, logit bias, or a token bitmask. The one test of both the sampler's full path
+    and the plain-greedy one (a feature added to either must be added here)."""
+    p = r.params
+    return bool(
+        _banned_ids(r)
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.logit_bias
+        or getattr(r, "token_bitmask", None) is not None
+    )
 
 
 def _apply_bitmask(
