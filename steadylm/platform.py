@@ -5,8 +5,11 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 - `STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, see `cpu_amx_gemv`.
-- `STEADYLM_CPU_HUGEPAGES`: `on` (default) or `off`, see `advise_huge_pages` and
-  `torch_huge_pages` (read once more where `import steadylm` runs: steadylm/__init__.py).
+- `STEADYLM_CPU_HUGEPAGES`: `on` (default), `advise` or `off`, see `advise_huge_pages`,
+  `collapse_huge_pages` and `torch_huge_pages` (read once more where `import steadylm` runs:
+  steadylm/__init__.py).
+- `STEADYLM_CPU_OMP_THREADS_BIND`: `nobind` (default), `auto` or a CPU list, see
+  `cpu_threads_bind`.
 - `STEADYLM_CPU_PREFILL_GEMM`: `native` (default) or `onednn`, see `cpu_prefill_gemm`.
 - `STEADYLM_CPU_DECODE_LAYERS`: `native` (default) or `modules`: a decode step's decoder
   layers in one native call (`kernels.decode_layers`), or module by module.
@@ -24,6 +27,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -163,6 +167,56 @@ def cpu_amx_gemv() -> str:
     return _choice("STEADYLM_CPU_AMX_GEMV", ("on", "off"))
 
 
+def _cpu_list(text: str) -> list[int]:
+    """CPUs written as `taskset -c` and vLLM write them: `0-3,8,10-11`."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise ValueError(part)
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
+def cpu_threads_bind(threads: int, rank: int = 0, ranks: int = 1) -> list[int] | None:
+    """`STEADYLM_CPU_OMP_THREADS_BIND` (vLLM's `VLLM_CPU_OMP_THREADS_BIND`): the CPUs whose
+    i-th takes the i-th of a rank's `threads` OpenMP threads (`kernels.bind_threads`), or None
+    to leave them to the OS.
+
+    - `nobind` (default): None. Pinned or not, W1's steps measured level on 2 vCPUs of an
+      Intel Xeon (docs/benchmarks.md, twenty-first session), and two engines that each
+      pinned themselves on one machine would share CPUs the OS could have spread them over.
+    - `auto`: the CPUs this process may run on, one per thread, when there are exactly as
+      many as its ranks' threads (rank r takes the r-th run of `threads`); else None.
+    - a CPU list, `0-3` or `0,2,4,6`, with one list per local rank after `|` (`0-1|2-3`): to
+      keep an engine off the CPUs of another, or its tensor-parallel ranks off each other's.
+    """
+    value = os.environ.get("STEADYLM_CPU_OMP_THREADS_BIND", "nobind").strip()
+    if value == "nobind" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if value == "auto":
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) != threads * ranks:
+            return None
+        return allowed[rank * threads : (rank + 1) * threads]
+    parts = value.split("|")
+    try:
+        cpus = _cpu_list(parts[rank]) if len(parts) == ranks else None
+    except ValueError as exc:
+        raise ConfigError(
+            f"STEADYLM_CPU_OMP_THREADS_BIND={value!r}: {str(exc)!r} is not a CPU or a range "
+            "of CPUs (auto, nobind, or a list such as 0-3 or 0,2,4,6)",
+            param="STEADYLM_CPU_OMP_THREADS_BIND",
+        ) from None
+    if cpus is None or len(cpus) < threads or len(set(cpus)) != len(cpus):
+        raise ConfigError(
+            f"STEADYLM_CPU_OMP_THREADS_BIND={value!r} needs one list of {threads} distinct "
+            f"CPUs or more for each of the {ranks} local rank(s), separated by '|'",
+            param="STEADYLM_CPU_OMP_THREADS_BIND",
+        )
+    return cpus[:threads]
+
+
 def cpu_kernels() -> str:
     """'native': steadylm's fused CPU kernels (built once per machine); 'torch': references."""
     return _choice("STEADYLM_CPU_KERNELS", ("native", "torch"))
@@ -215,24 +269,30 @@ def attention_backend(device: torch.device) -> str:
 
 _HUGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 _MADV_HUGEPAGE = 14  # from Linux's mman-common.h
+_MADV_COLLAPSE = 25  # Linux 6.1 and later
+_HUGEPAGES = ("on", "advise", "off")
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """A CPU tensor's buffer: (address, bytes), oneDNN's packed weights included."""
+    if t.is_mkldnn:
+        return int(torch.ops.mkldnn.data_ptr(t)), int(torch.ops.mkldnn._nbytes(t))
+    return t.data_ptr(), t.numel() * t.element_size()
 
 
 def advise_huge_pages(t: torch.Tensor) -> int:
-    """Ask Linux to back a large, long-lived CPU buffer (the KV cache, the weights) with
-    transparent huge pages: the whole 2 MiB pages inside it (MADV_HUGEPAGE; the system's THP
-    mode is usually `madvise`, which does nothing without it). Every decode step streams
-    these buffers, and the hardware prefetchers stop at each 4 KiB page: one core read 23-28
-    GB/s in 4 KiB pages and ~33 in 2 MiB ones on a Zen 4 VM (docs/benchmarks.md). Pages not
-    yet touched (the KV cache) fault in as huge pages; written ones (the weights) are merged
-    by the kernel's khugepaged in the background, at no cost to loading (a synchronous
-    MADV_COLLAPSE measured ~1 s per 400 MiB). Returns the bytes advised: 0 when off
-    (`STEADYLM_CPU_HUGEPAGES=off`), not a CPU tensor, under 2 MiB, or refused (no THP)."""
-    if _choice("STEADYLM_CPU_HUGEPAGES", ("on", "off")) == "off" or t.device.type != "cpu":
+    """Ask Linux to back a large, long-lived CPU buffer (the KV cache) with transparent huge
+    pages: the whole 2 MiB pages inside it (MADV_HUGEPAGE; the system's THP mode is usually
+    `madvise`, which does nothing without it). Every decode step streams these buffers, and the
+    hardware prefetchers stop at each 4 KiB page: one core read 23-28 GB/s in 4 KiB pages and
+    ~33 in 2 MiB ones on a Zen 4 VM (docs/benchmarks.md). Pages not yet touched fault in as
+    huge pages; written ones are merged by the kernel's khugepaged in the background (the
+    weights are collapsed at load instead: `collapse_huge_pages`). Returns the bytes advised: 0
+    when off (`STEADYLM_CPU_HUGEPAGES=off`), not a CPU tensor, under 2 MiB, or refused (no
+    THP)."""
+    if _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES) == "off" or t.device.type != "cpu":
         return 0
-    if t.is_mkldnn:  # oneDNN's packed weights
-        addr, nbytes = int(torch.ops.mkldnn.data_ptr(t)), int(torch.ops.mkldnn._nbytes(t))
-    else:
-        addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    addr, nbytes = _extent(t)
     start, end = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
     if end <= start:
         return 0
@@ -241,6 +301,53 @@ def advise_huge_pages(t: torch.Tensor) -> int:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end - start if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
+
+
+def collapse_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = 64 << 10) -> int:
+    """Put the weights in transparent huge pages now, ends included (`STEADYLM_CPU_HUGEPAGES=on`,
+    the default): every CPU tensor of `min_bytes` or more, rounded out to whole 2 MiB pages and
+    merged with its neighbours, is advised (MADV_HUGEPAGE) and collapsed (MADV_COLLAPSE, Linux
+    6.1+). torch's flag (`torch_huge_pages`) gives a packed weight huge pages only for the
+    whole 2 MiB pieces inside it: a bf16 qkv or o_proj of the bench model (1.97 and 1.18 MB)
+    got none, and every buffer's ends stayed in 4 KiB pages, 145-168 of its 249 MB of bf16
+    weights in huge pages. Collapsed, 350-373 MB of the mappings holding them were, in
+    0.1-0.3 s at load and ~2 MiB more resident memory; W1 steps ran 1.5% (bf16) and 2-3%
+    (fp32) faster over alternating processes (docs/benchmarks.md, twenty-first session).
+    Where the kernel cannot collapse (older than 6.1, THP off) the advice alone stands and
+    khugepaged merges in the background. `advise` advises only the whole pages inside each
+    tensor, `off` does nothing. Returns the bytes now in huge pages around the tensors."""
+    choice = _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES)
+    tensors = [t for t in tensors if t.device.type == "cpu"]
+    if choice == "off" or not tensors:
+        return 0
+    if choice == "advise":
+        for t in tensors:
+            advise_huge_pages(t)
+        return 0
+    libc = _libc()
+    if libc is None:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    spans = []
+    for t in tensors:
+        addr, nbytes = _extent(t)
+        if nbytes >= min_bytes:
+            spans.append((addr // _HUGE * _HUGE, -(-(addr + nbytes) // _HUGE) * _HUGE))
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    done = 0
+    for lo, hi in merged:
+        libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)
+        # Page by page: one the range's first or last page that lies partly outside the heap
+        # (past its top, say) fails alone, not the whole range.
+        for page in range(lo, hi, _HUGE):
+            if libc.madvise(page, _HUGE, _MADV_COLLAPSE) == 0:
+                done += _HUGE
+    return done
 
 
 def torch_huge_pages() -> bool:
@@ -255,9 +362,10 @@ def torch_huge_pages() -> bool:
     tables (nested ones, in a VM) again and again: a GEMM with the blocked GEMM's tiles at
     4096 x 768 x 2304 ran at 223-243 GFLOP/s with its operands in 4 KiB pages and 267-302 in
     2 MiB ones (2 threads of an Intel Xeon with AMX, a standalone build). The weights and KV
-    cache are advised at load too (`advise_huge_pages`), but buffers already written wait for
-    khugepaged, which merged ~10 MB of a 440 MB model in 20 s; torch's flag gives the weights
-    huge pages as oneDNN packs them (~720 MB of the bench model's process right after load)."""
+    cache are advised at load too, but buffers already written wait for khugepaged, which
+    merged ~10 MB of a 440 MB model in 20 s; torch's flag gives the weights huge pages as
+    oneDNN packs them (~720 MB of the bench model's process right after load), and
+    `collapse_huge_pages` their ends."""
     return os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
 
 

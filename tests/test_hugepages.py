@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import sys
 
 import pytest
@@ -28,8 +30,8 @@ needs_thp = pytest.mark.skipif(
 )
 
 
-def _thp_eligible(addr: int) -> bool:
-    """Whether the kernel may back the mapping holding `addr` with huge pages."""
+def _smaps_field(addr: int, field: str) -> str:
+    """The first word of `field` in the /proc/self/smaps entry of the mapping holding `addr`."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -37,9 +39,14 @@ def _thp_eligible(addr: int) -> bool:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "THPeligible:":
-                return line.split()[1] == "1"
+            elif inside and head == field + ":":
+                return line.split()[1]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_eligible(addr: int) -> bool:
+    """Whether the kernel may back the mapping holding `addr` with huge pages."""
+    return _smaps_field(addr, "THPeligible") == "1"
 
 
 @needs_thp
@@ -62,10 +69,45 @@ def test_packed_weights_and_plain_tensors_are_advised(monkeypatch):
     assert platform.advise_huge_pages(packed) >= 4 << 20
 
 
+def _anon_huge(addr: int) -> int:
+    """AnonHugePages (bytes) of the mapping holding `addr`."""
+    return int(_smaps_field(addr, "AnonHugePages")) << 10
+
+
+def _written_in_small_pages() -> tuple[mmap.mmap, torch.Tensor, int]:
+    """A 4 MiB tensor written in 4 KiB pages, from 1 MiB past a 2 MiB boundary of its own
+    mapping: the three huge pages it touches lie inside the mapping, and none is whole inside
+    the tensor but the middle one."""
+    buf = mmap.mmap(-1, 12 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    offset = -(-base // (2 << 20)) * (2 << 20) - base + (1 << 20)
+    t = torch.frombuffer(buf, dtype=torch.uint8, count=4 << 20, offset=offset)
+    t.fill_(7)
+    return buf, t, base
+
+
+@needs_thp
+def test_weights_are_collapsed_into_huge_pages_ends_included(monkeypatch):
+    """`collapse_huge_pages` leaves a written buffer in huge pages at once, the 2 MiB pages
+    holding its ends included; `advise` (or `off`) leaves written pages as they are."""
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "advise")
+    buf, t, base = _written_in_small_pages()
+    assert platform.collapse_huge_pages([t]) == 0 and _anon_huge(base) == 0
+    monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "on")
+    got = platform.collapse_huge_pages([t, torch.empty(10)])  # the small one is skipped
+    if got == 0:
+        pytest.skip("this kernel cannot collapse (MADV_COLLAPSE needs Linux 6.1)")
+    assert got == 6 << 20 and _anon_huge(base) == 6 << 20
+    assert bool((t == 7).all())  # the contents survive the move
+    del t
+    buf.close()
+
+
 def test_small_tensors_and_the_switch_advise_nothing(monkeypatch):
     assert platform.advise_huge_pages(torch.empty(1000)) == 0  # no whole 2 MiB page inside
     monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "off")
     assert platform.advise_huge_pages(torch.empty(4 << 20)) == 0
+    assert platform.collapse_huge_pages([torch.empty(4 << 20)]) == 0
     monkeypatch.setenv("STEADYLM_CPU_HUGEPAGES", "sometimes")
     with pytest.raises(Exception, match="STEADYLM_CPU_HUGEPAGES"):
         platform.advise_huge_pages(torch.empty(4 << 20))

@@ -552,12 +552,19 @@ def test_a_failed_build_falls_back_with_the_reason(monkeypatch, caplog):
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6))
 
 
-def test_each_torch_installation_gets_its_own_build(monkeypatch):
-    """Two virtual environments share torch's extension directory; their build commands differ
-    (include paths), so one shared build would be rebuilt alternately on every start."""
+def test_each_torch_installation_and_checkout_gets_its_own_build(monkeypatch, tmp_path):
+    """Two virtual environments, or two checkouts of the same code, share torch's extension
+    directory; their build commands differ (include paths, the source's path), so one shared
+    build would be rebuilt alternately on every start."""
+    import shutil
+
     from steadylm import kernels
 
     here = kernels._build_name()
     assert kernels._build_name() == here  # stable within one installation
+    copy = shutil.copy(kernels._SOURCE, tmp_path / "cpu_ops.cpp")  # the same bytes elsewhere
+    monkeypatch.setattr(kernels, "_SOURCE", str(copy))
+    assert kernels._build_name() != here
+    monkeypatch.undo()
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
     assert kernels._build_name() != here

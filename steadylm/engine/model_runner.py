@@ -11,13 +11,15 @@ its own attention call.
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from steadylm import platform
+from steadylm import kernels, parallel, platform
 from steadylm.attention import (
     AttentionBackend,
     AttentionGroup,
@@ -118,6 +120,12 @@ class _Timer:
         return self.t1 - self.t0
 
 
+def _local_rank() -> tuple[int, int]:
+    """(this rank's index among the ranks on this machine, their number)."""
+    local = int(os.environ.get("LOCAL_RANK", parallel.rank()))
+    return local, parallel.local_ranks(parallel.world_size())
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -148,6 +156,7 @@ class ModelRunner:
         # True while the forward may be inside a collective: a fault there leaves the other
         # ranks waiting in it, so the executor treats it as fatal.
         self.in_collectives = False
+        self._bound_thread: int | None = None  # the thread whose OpenMP team was pinned
 
     @classmethod
     def create(
@@ -171,6 +180,8 @@ class ModelRunner:
             device,
             config.quant_policy,
         )
+        if device.type == "cpu":  # a bad STEADYLM_CPU_OMP_THREADS_BIND fails here, not in a step
+            platform.cpu_threads_bind(torch.get_num_threads(), *_local_rank())
         graphs = None
         if plan.cuda_graph_bytes:  # the plan reserved their memory: capture them
             graphs = DecodeGraphs(
@@ -241,6 +252,9 @@ class ModelRunner:
 
     def execute(self, contract: StepContract) -> Sampled:
         """Apply the contract and run its step."""
+        if self.device.type == "cpu" and self._bound_thread != threading.get_ident():
+            self._bound_thread = threading.get_ident()  # the thread whose team runs the steps
+            kernels.bind_threads(*_local_rank())
         self.apply(contract)
         return self.run(contract.scheduled)
 

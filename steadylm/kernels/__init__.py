@@ -39,13 +39,15 @@ _state: dict[str, object] = {}
 
 
 def _build_name() -> str:
-    """One build per source, torch version, torch installation and CPU (the code is compiled
-    for this CPU). The installation path is in the build command (its include directories):
-    two virtual environments sharing one build directory would each see the other's command
-    line and rebuild, alternately, on every start."""
+    """One build per source (its contents and its path), torch version, torch installation
+    and CPU (the code is compiled for this CPU). The installation path and the source's are
+    in the build command (include directories, the file compiled): two virtual environments,
+    or two checkouts of the same code, sharing one build directory would each see the other's
+    command line and rebuild, alternately, on every start."""
     h = hashlib.sha256()
     with open(_SOURCE, "rb") as f:
         h.update(f.read())
+    h.update(os.path.realpath(_SOURCE).encode())
     h.update(torch.__version__.encode())
     h.update(os.path.dirname(os.path.realpath(torch.__file__)).encode())
     h.update(platform.cpu_flags_key().encode())
@@ -92,6 +94,23 @@ def status() -> str:
     """'native' or the reason the references run."""
     native_ops()
     return "native" if _state["ops"] is not None else f"torch ({_state['error']})"
+
+
+def bind_threads(rank: int = 0, ranks: int = 1) -> list[int] | None:
+    """Pin the calling thread's OpenMP threads one CPU each (`platform.cpu_threads_bind`),
+    the calling thread itself left free: the processes it starts later (tensor-parallel
+    workers, a server) inherit its affinity, not one CPU. Run from the thread that runs the
+    model's steps (each thread that starts parallel regions has its own team). Returns the
+    CPUs, or None where nothing was pinned (`nobind`, shared CPUs, one thread, no native
+    kernels)."""
+    threads = torch.get_num_threads()
+    cpus = platform.cpu_threads_bind(threads, rank, ranks)
+    ops = native_ops()
+    if cpus is None or threads < 2 or ops is None:
+        return None
+    pinned = ops.bind_omp_threads(cpus, False)
+    logger.info("OpenMP threads 1-%d pinned to CPUs %s (%d pinned)", threads - 1, cpus[1:], pinned)
+    return cpus if pinned else None
 
 
 def _native_for(*tensors: torch.Tensor, rows: bool = False):

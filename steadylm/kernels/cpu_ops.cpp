@@ -30,6 +30,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__linux__)
+#include <omp.h>
+#include <sched.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -2726,6 +2730,35 @@ at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bia
 // matmul (AVX-512: 64 rows: over a decode step's 49 linears on a Zen 4 VM, fp32 and bf16,
 // 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows
 // of 16 registers and take K whole: 4), 0 without.
+// Pins the OpenMP threads of the calling thread's team, one CPU each: thread i (1 to n - 1)
+// to cpus[i], and the calling thread itself to cpus[0] only when `calling` (left free, the
+// processes it starts later inherit its affinity, not one CPU). torch's parallel regions reuse
+// the same team, thread for thread, so each keeps its CPU and its caches from step to step.
+// Returns the threads pinned (0 off Linux).
+int64_t bind_omp_threads(c10::IntArrayRef cpus, bool calling) {
+#if defined(__linux__)
+  const int64_t n = at::get_num_threads();
+  TORCH_CHECK(static_cast<int64_t>(cpus.size()) >= n, "bind_omp_threads: ", cpus.size(),
+              " CPUs for ", n, " threads");
+  for (int64_t c : cpus) TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "bind_omp_threads: CPU ", c);
+  const std::vector<int64_t> ids(cpus.begin(), cpus.end());
+  std::atomic<int64_t> pinned{0};
+#pragma omp parallel num_threads(n)
+  {
+    const int i = omp_get_thread_num();
+    if (i > 0 || calling) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(ids[i], &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) pinned.fetch_add(1);
+    }
+  }
+  return pinned.load();
+#else
+  return 0;
+#endif
+}
+
 int64_t packed_linear_max_rows() {
 #if defined(__AVX512F__)
   return kGemvRows;
@@ -2912,6 +2945,7 @@ TORCH_LIBRARY(steadylm_cpu, m) {
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
   m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
+  m.def("bind_omp_threads(int[] cpus, bool calling) -> int", &bind_omp_threads);
   m.def("packed_linear_amx_rows(int k) -> int", &packed_linear_amx_rows);
   m.def("packed_linear_blocked() -> bool", &packed_linear_blocked);
   m.def(
