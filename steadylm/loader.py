@@ -140,9 +140,11 @@ def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
     huge = platform.collapse_huge_pages(_weight_tensors(model))
     if huge:
         logger.info(
-            "transparent huge pages: %d MiB around the weights (collapsed in %.2f s)",
+            "transparent huge pages: %d MiB of weights %s in %.2f s; torch's allocator: %s",
             huge >> 20,
+            "collapsed" if platform.cpu_huge_pages() == "collapse" else "advised",
             time.perf_counter() - t0,
+            "on" if platform.torch_huge_pages() else "off",
         )
 
 

@@ -5,7 +5,7 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 - `STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, see `cpu_amx_gemv`.
-- `STEADYLM_CPU_HUGEPAGES`: `on` (default), `advise` or `off`, see `advise_huge_pages`,
+- `STEADYLM_CPU_HUGEPAGES`: `on` (default), `collapse` or `off`, see `advise_huge_pages`,
   `collapse_huge_pages` and `torch_huge_pages` (read once more where `import steadylm` runs:
   steadylm/__init__.py).
 - `STEADYLM_CPU_OMP_THREADS_BIND`: `nobind` (default), `auto` or a CPU list, see
@@ -270,7 +270,7 @@ def attention_backend(device: torch.device) -> str:
 _HUGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 _MADV_HUGEPAGE = 14  # from Linux's mman-common.h
 _MADV_COLLAPSE = 25  # Linux 6.1 and later
-_HUGEPAGES = ("on", "advise", "off")
+_HUGEPAGES = ("on", "collapse", "off")
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -281,15 +281,15 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def advise_huge_pages(t: torch.Tensor) -> int:
-    """Ask Linux to back a large, long-lived CPU buffer (the KV cache) with transparent huge
-    pages: the whole 2 MiB pages inside it (MADV_HUGEPAGE; the system's THP mode is usually
-    `madvise`, which does nothing without it). Every decode step streams these buffers, and the
-    hardware prefetchers stop at each 4 KiB page: one core read 23-28 GB/s in 4 KiB pages and
-    ~33 in 2 MiB ones on a Zen 4 VM (docs/benchmarks.md). Pages not yet touched fault in as
-    huge pages; written ones are merged by the kernel's khugepaged in the background (the
-    weights are collapsed at load instead: `collapse_huge_pages`). Returns the bytes advised: 0
-    when off (`STEADYLM_CPU_HUGEPAGES=off`), not a CPU tensor, under 2 MiB, or refused (no
-    THP)."""
+    """Ask Linux to back a large, long-lived CPU buffer (the KV cache, the weights) with
+    transparent huge pages: the whole 2 MiB pages inside it (MADV_HUGEPAGE; the system's THP
+    mode is usually `madvise`, which does nothing without it). Every decode step streams these
+    buffers, and the hardware prefetchers stop at each 4 KiB page: one core read 23-28 GB/s in
+    4 KiB pages and ~33 in 2 MiB ones on a Zen 4 VM (docs/benchmarks.md). Pages not yet
+    touched (the KV cache) fault in as huge pages; written ones (the weights) are merged by the
+    kernel's khugepaged in the background, or collapsed at load (`collapse_huge_pages`).
+    Returns the bytes advised: 0 when off (`STEADYLM_CPU_HUGEPAGES=off`), not a CPU tensor,
+    under 2 MiB, or refused (no THP)."""
     if _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES) == "off" or t.device.type != "cpu":
         return 0
     addr, nbytes = _extent(t)
@@ -303,27 +303,31 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     return end - start if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
 
 
+def cpu_huge_pages() -> str:
+    """`STEADYLM_CPU_HUGEPAGES`: `on`, `collapse` or `off` (`collapse_huge_pages`)."""
+    return _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES)
+
+
 def collapse_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = 64 << 10) -> int:
-    """Put the weights in transparent huge pages now, ends included (`STEADYLM_CPU_HUGEPAGES=on`,
-    the default): every CPU tensor of `min_bytes` or more, rounded out to whole 2 MiB pages and
-    merged with its neighbours, is advised (MADV_HUGEPAGE) and collapsed (MADV_COLLAPSE, Linux
-    6.1+). torch's flag (`torch_huge_pages`) gives a packed weight huge pages only for the
-    whole 2 MiB pieces inside it: a bf16 qkv or o_proj of the bench model (1.97 and 1.18 MB)
-    got none, and every buffer's ends stayed in 4 KiB pages, 145-168 of its 249 MB of bf16
-    weights in huge pages. Collapsed, 350-373 MB of the mappings holding them were, in
-    0.1-0.3 s at load and ~2 MiB more resident memory; W1 steps ran 1.5% (bf16) and 2-3%
-    (fp32) faster over alternating processes (docs/benchmarks.md, twenty-first session).
-    Where the kernel cannot collapse (older than 6.1, THP off) the advice alone stands and
-    khugepaged merges in the background. `advise` advises only the whole pages inside each
-    tensor, `off` does nothing. Returns the bytes now in huge pages around the tensors."""
-    choice = _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES)
+    """Huge pages for the weights at load. `STEADYLM_CPU_HUGEPAGES=on` (the default) advises
+    the whole 2 MiB pages inside each tensor (`advise_huge_pages`); torch's flag
+    (`torch_huge_pages`) has already given most of them huge pages as oneDNN packed them, but
+    not a buffer's ends, nor a bf16 qkv or o_proj of the bench model (1.97 and 1.18 MB, no
+    whole 2 MiB page inside): 145-168 of its 249 MB of bf16 weights sat in huge pages.
+    `collapse` also rounds every CPU tensor of `min_bytes` or more out to whole 2 MiB pages,
+    merges them with their neighbours, and collapses them now (MADV_COLLAPSE, Linux 6.1+;
+    where the kernel cannot, the advice alone stands): all of those weights but one edge
+    page, in 0.1-0.3 s and ~2 MiB more resident memory. Not the default: W1's steps measured
+    level with it over three sets of alternating processes (bf16 ahead in 4 of 6 pairs, then
+    behind in 6 of 6 in a slow period, then level; fp32 level; docs/benchmarks.md,
+    twenty-first session). `off` does nothing. Returns the bytes advised (`on`) or collapsed
+    (`collapse`)."""
+    choice = cpu_huge_pages()
     tensors = [t for t in tensors if t.device.type == "cpu"]
     if choice == "off" or not tensors:
         return 0
-    if choice == "advise":
-        for t in tensors:
-            advise_huge_pages(t)
-        return 0
+    if choice == "on":
+        return sum(advise_huge_pages(t) for t in tensors)
     libc = _libc()
     if libc is None:
         return 0
@@ -342,7 +346,7 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = 64 << 
     done = 0
     for lo, hi in merged:
         libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)
-        # Page by page: one the range's first or last page that lies partly outside the heap
+        # Page by page: the range's first or last page, lying partly outside the heap
         # (past its top, say) fails alone, not the whole range.
         for page in range(lo, hi, _HUGE):
             if libc.madvise(page, _HUGE, _MADV_COLLAPSE) == 0:
@@ -364,8 +368,8 @@ def torch_huge_pages() -> bool:
     2 MiB ones (2 threads of an Intel Xeon with AMX, a standalone build). The weights and KV
     cache are advised at load too, but buffers already written wait for khugepaged, which
     merged ~10 MB of a 440 MB model in 20 s; torch's flag gives the weights huge pages as
-    oneDNN packs them (~720 MB of the bench model's process right after load), and
-    `collapse_huge_pages` their ends."""
+    oneDNN packs them (~720 MB of the bench model's process right after load);
+    `STEADYLM_CPU_HUGEPAGES=collapse` their ends too (`collapse_huge_pages`)."""
     return os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
 
 
