@@ -2726,10 +2726,6 @@ at::Tensor run_packed(const at::Tensor& x, int64_t weight, const at::Tensor* bia
 }
 #endif
 
-// The most rows packed_linear should be given: where it measured at least as fast as oneDNN's
-// matmul (AVX-512: 64 rows: over a decode step's 49 linears on a Zen 4 VM, fp32 and bf16,
-// 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows
-// of 16 registers and take K whole: 4), 0 without.
 // Pins the OpenMP threads of the calling thread's team, one CPU each: thread i (1 to n - 1)
 // to cpus[i], and the calling thread itself to cpus[0] only when `calling` (left free, the
 // processes it starts later inherit its affinity, not one CPU). torch's parallel regions reuse
@@ -2759,6 +2755,10 @@ int64_t bind_omp_threads(c10::IntArrayRef cpus, bool calling) {
 #endif
 }
 
+// The most rows packed_linear should be given: where it measured at least as fast as oneDNN's
+// matmul (AVX-512: 64 rows: over a decode step's 49 linears on a Zen 4 VM, fp32 and bf16,
+// 1.3-1.6x at 8-16 rows, 1.04-1.09x at 64, 0.97-1.04x at 80-128; AVX2, whose tiles are 4 rows
+// of 16 registers and take K whole: 4), 0 without.
 int64_t packed_linear_max_rows() {
 #if defined(__AVX512F__)
   return kGemvRows;
