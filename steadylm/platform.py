@@ -290,7 +290,7 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     kernel's khugepaged in the background, or collapsed at load (`collapse_huge_pages`).
     Returns the bytes advised: 0 when off (`STEADYLM_CPU_HUGEPAGES=off`), not a CPU tensor,
     under 2 MiB, or refused (no THP)."""
-    if _choice("STEADYLM_CPU_HUGEPAGES", _HUGEPAGES) == "off" or t.device.type != "cpu":
+    if cpu_huge_pages() == "off" or t.device.type != "cpu":
         return 0
     addr, nbytes = _extent(t)
     start, end = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
@@ -299,7 +299,6 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     libc = _libc()
     if libc is None:
         return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end - start if libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
 
 
@@ -331,7 +330,6 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = 64 << 
     libc = _libc()
     if libc is None:
         return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     spans = []
     for t in tensors:
         addr, nbytes = _extent(t)
@@ -375,11 +373,13 @@ def torch_huge_pages() -> bool:
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """glibc, loaded once (None off glibc)."""
+    """glibc, loaded once, its madvise typed (None off glibc)."""
     try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
         return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def tune_cpu_allocator() -> bool:

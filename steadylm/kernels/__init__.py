@@ -105,8 +105,8 @@ def bind_threads(rank: int = 0, ranks: int = 1) -> list[int] | None:
     kernels)."""
     threads = torch.get_num_threads()
     cpus = platform.cpu_threads_bind(threads, rank, ranks)
-    ops = native_ops()
-    if cpus is None or threads < 2 or ops is None:
+    ops = native_ops() if cpus is not None and threads > 1 else None  # no build for nothing
+    if ops is None:
         return None
     pinned = ops.bind_omp_threads(cpus, False)
     logger.info("OpenMP threads 1-%d pinned to CPUs %s (%d pinned)", threads - 1, cpus[1:], pinned)
