@@ -348,3 +348,28 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
     assert report["sections"]["parity"]["tiny_fp32"]["quant_0"]["graphs"]["skipped"]
     text = (tmp_path / "gpu_check.md").read_text()
     assert text.startswith("## ") and "### Targets" in text and text in r.stdout
+
+
+def test_side_by_side_alternates_and_reports_each_pairs_ratio(tiny_model, tmp_path):
+    """side_by_side.py runs ours first in odd pairs and the peer first in even ones, and its
+    summary holds each pair's own ratio of output tok/s (here transformers as the peer)."""
+    out = tmp_path / "side"
+    run(
+        "benchmarks/side_by_side.py",
+        *("--model", tiny_model, "--workload", "W2", "--pairs", "2", "--runs", "1"),
+        *("--peer", "transformers", "--peer-python", sys.executable, "--peer-model", tiny_model),
+        *("--ours-args", "--max-total-tokens 2048 --block-size 16"),
+        *("--out", str(out), "--lock", str(tmp_path / "lock")),
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    shape = summary["shapes"]["1 x 256 -> 128"]
+
+    def tok_s(name):
+        r = json.loads((out / name).read_text())["results"]["1 x 256 -> 128"]
+        return r["output_tokens_per_s"]["median"]
+
+    assert shape["ratios"] == [tok_s(f"ours_{i}.json") / tok_s(f"peer_{i}.json") for i in (1, 2)]
+    assert shape["min"] <= shape["median"] <= shape["max"]
+    mtime = {f.name: f.stat().st_mtime_ns for f in out.glob("*.json")}
+    assert mtime["ours_1.json"] < mtime["peer_1.json"] < mtime["peer_2.json"] < mtime["ours_2.json"]
+    assert summary["bandwidth_before"]["GBps"] > 0 and summary["bandwidth_after"]["GBps"] > 0
