@@ -264,6 +264,35 @@ def _paged_case(dtype, bits, heads, kv_heads, rows_per_seq, lens, nb=120, bs=8, 
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_bf16_models_quantized_rows_are_dequantized_once(bits, rows):
+    """A bf16 model's int8 / int4 rows enter attention as code * scale + zero in fp32, not
+    rounded to bf16 after the product and again after the sum: with one key the output is
+    that value rounded once (a code times a bf16 scale is exact in fp32, so fp32's product and
+    sum are the kernel's fused multiply-add), as the reference's dequantize_kv has it. rows 1:
+    a decode row (the codes into registers); 2: a prefill tile (its rows through fp32
+    buffers), whose first row sees one key."""
+    from steadylm.attention.torch_ref import dequantize_kv
+
+    torch.manual_seed(0)
+    q, (kc, vc), (ksz, vsz), tables, seq, ctx = _paged_case(
+        torch.bfloat16, bits, 4, 2, [rows], [rows], d=64
+    )
+    got = ops.paged_attention(q, kc, vc, ksz, vsz, tables, seq, ctx, 0.125, 0, bits)
+    slot = int(tables[0, 0])
+    codes = vc[slot, 0]  # position 0's values: (kv_heads, d or d / 2)
+    if bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+    scale, zero = vsz[slot, 0].float().unbind(-1)
+    once = (codes.float() * scale[:, None] + zero[:, None]).bfloat16()
+    twice = ((codes.bfloat16() * vsz[slot, 0, :, :1]) + vsz[slot, 0, :, 1:]).bfloat16()
+    assert not torch.equal(once, twice)  # the case tells the two apart
+    assert torch.equal(got[0], once.repeat_interleave(2, dim=0))
+    assert torch.equal(dequantize_kv(vc[slot, 0], vsz[slot, 0], bits), once)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize(

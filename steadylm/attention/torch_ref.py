@@ -82,11 +82,13 @@ def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def dequantize_kv(codes: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes (..., D or D/2) uint8, scale_zero (..., 2) -> (..., D) in scale_zero.dtype."""
+    """codes (..., D or D/2) uint8, scale_zero (..., 2) -> (..., D) in scale_zero.dtype:
+    code * scale + zero computed in fp32, rounded once to the dtype (as the Triton kernels
+    dequantize; the native CPU kernels keep the fp32 values, one fused multiply-add)."""
     if bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
-    scale, zero = scale_zero[..., :1], scale_zero[..., 1:]
-    return (codes.to(scale_zero.dtype) * scale + zero).to(scale_zero.dtype)
+    sz = scale_zero.float()
+    return (codes.float() * sz[..., :1] + sz[..., 1:]).to(scale_zero.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -991,8 +991,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // (T,) = t's position + 1; a window W > 0 keeps the last W positions. Query head h reads KV
 // head h / (H / Hkv) (transformers' repeat_kv). The cache is (num_blocks, block_size, Hkv, Dc)
 // in q's dtype (bits 0), or uint8 codes (bits 8: Dc = D; bits 4: two codes a byte, low nibble
-// first) with (num_blocks, block_size, Hkv, 2) [scale, zero] in q's dtype, dequantized as
-// attention/torch_ref.py's dequantize_kv: code * scale + zero, rounded to the dtype.
+// first) with (num_blocks, block_size, Hkv, 2) [scale, zero] in q's dtype, dequantized to
+// fp32 as code * scale + zero in one fused multiply-add, whatever q's dtype, and used as fp32
+// (the reference, attention/torch_ref.py's dequantize_kv, rounds them to q's dtype for SDPA).
+// (A bf16 model's rows were rounded to bf16 twice, after the product and after the sum, as
+// bf16 arithmetic in torch would: 18 of a vector's ~22 operations. 12 layers of decode
+// attention, 16 sequences at context 320, 2 threads of an Intel Xeon with AMX: int8 5.7 ->
+// 3.2 ms a step, where an unrounded bf16 cache takes 2.4.)
 //
 // Batch invariance: a row's result depends only on its q, its keys and its values, never on
 // the other rows of the step, the chunk it came in, the thread count or the work split. Keys
@@ -1052,30 +1057,13 @@ inline void axpy_fixed(float w, const float* v, float* acc, int64_t D) {
 // (dequant_row, score_codes / value_codes below) and to a prefill tile's fp32 buffers
 // (KVReader::row) alike: one function, so both paths of a build read the same values.
 
-// x rounded to bfloat16 and back, as c10::BFloat16 rounds (to nearest even, NaN to a quiet
-// NaN), lane by lane in integer ops.
-inline __m512 round_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(0xFFFF0000u));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000)));
-}
-
-// code * scale + zero as KVReader<T>::row computes it: for an fp32 model one fused
-// multiply-add, for bf16 the product and the sum each rounded.
-template <typename T>
-inline Vec dequant_vec(__m512 c, __m512 sv, __m512 zv) {
-  if constexpr (std::is_same_v<T, float>) return Vec(_mm512_fmadd_ps(c, sv, zv));
-  else return Vec(round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(c, sv)), zv)));
-}
+// code * scale + zero as KVReader<T>::row computes it: one fused multiply-add in fp32.
+inline Vec dequant_vec(__m512 c, __m512 sv, __m512 zv) { return Vec(_mm512_fmadd_ps(c, sv, zv)); }
 
 // The 16 values an int4 code can take for a row's scale and zero (dequant_vec on the codes
 // 0-15: the same arithmetic, so the same bits); dequant16 looks each dim's value up in it.
-template <typename T>
 inline __m512 int4_table(__m512 sv, __m512 zv) {
-  return dequant_vec<T>(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sv,
+  return dequant_vec(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sv,
                         zv);
 }
 
@@ -1084,12 +1072,11 @@ inline __m512 int4_table(__m512 sv, __m512 zv) {
 // rounded twice per vector of dims before, once per row now: W1 of the bench model with an
 // int4 cache, docs/benchmarks.md, the eighteenth session). Byte j holds dims 2j (low nibble)
 // and 2j + 1: each byte goes to two lanes, the odd one shifted right by 4.
-template <typename T>
 inline __m512 dequant16(const uint8_t* c, int64_t bits, int64_t i, __m512 sv, __m512 zv,
                         __m512 table) {
   if (bits == 8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
-    return dequant_vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv);
+    return dequant_vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), sv, zv);
   }
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i));
   const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
@@ -1097,11 +1084,11 @@ inline __m512 dequant16(const uint8_t* c, int64_t bits, int64_t i, __m512 sv, __
   return _mm512_permutexvar_ps(codes, table);
 }
 
-template <typename T, int NV>
+template <int NV>
 inline void dequant_row(const uint8_t* c, int64_t bits, float scale, float zero, Vec* out) {
   const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
-  const __m512 table = bits == 4 ? int4_table<T>(sv, zv) : sv;
-  for (int i = 0; i < NV; ++i) out[i] = Vec(dequant16<T>(c, bits, i, sv, zv, table));
+  const __m512 table = bits == 4 ? int4_table(sv, zv) : sv;
+  for (int i = 0; i < NV; ++i) out[i] = Vec(dequant16(c, bits, i, sv, zv, table));
 }
 #endif
 
@@ -1134,18 +1121,15 @@ struct KVReader {
 #if defined(CPU_CAPABILITY_AVX512)
     if (d % kVec == 0) {  // dequant_row's vectors (the loops below: other sizes and CPUs)
       const __m512 sv = _mm512_set1_ps(scale), zv = _mm512_set1_ps(zero);
-      const __m512 table = bits == 4 ? int4_table<T>(sv, zv) : sv;
+      const __m512 table = bits == 4 ? int4_table(sv, zv) : sv;
       for (int64_t i = 0; i < d / kVec; ++i)
-        _mm512_storeu_ps(out + i * kVec, dequant16<T>(c, bits, i, sv, zv, table));
+        _mm512_storeu_ps(out + i * kVec, dequant16(c, bits, i, sv, zv, table));
       return;
     }
 #endif
-    // An fp32 model: one fused multiply-add, written out (dequant_vec's, bit for bit, not
-    // left to GCC's contraction). bf16: the product rounded, then the sum.
-    auto dq = [&](float c) {
-      if constexpr (std::is_same_v<T, float>) return std::fma(c, scale, zero);
-      else return round_to<T>(round_to<T>(c * scale) + zero);
-    };
+    // One fused multiply-add, written out (dequant_vec's, bit for bit, not left to GCC's
+    // contraction).
+    auto dq = [&](float c) { return std::fma(c, scale, zero); };
     if (bits == 8) {
       for (int64_t i = 0; i < d; ++i) out[i] = dq(static_cast<float>(c[i]));
     } else {
@@ -1308,7 +1292,7 @@ __attribute__((noinline)) void score_codes(const float* qf, int64_t n, int64_t b
     for (int64_t t = t0; t < t1; ++t) {
       const auto [c, sc, z] = row_of(t);
       Vec kv[NV];
-      dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), kv);
+      dequant_row<NV>(c, bits, to_f(sc), to_f(z), kv);
       for (int j = 0; j < G; ++j) {
         Vec a = qv[j][0] * kv[0];
         for (int i = 1; i < NV; ++i) a = at::vec::fmadd(qv[j][i], kv[i], a);
@@ -1334,7 +1318,7 @@ __attribute__((noinline)) void value_codes(float* acc, const float* p, int64_t l
   for (int64_t t = 0; t < n; ++t) {
     const auto [c, sc, z] = row_of(t);
     Vec vv[NV];
-    dequant_row<T, NV>(c, bits, to_f(sc), to_f(z), vv);
+    dequant_row<NV>(c, bits, to_f(sc), to_f(z), vv);
     for (int j = 0; j < G; ++j) {
       const Vec w(p[j * ldp + t]);
       for (int i = 0; i < NV; ++i) a[j][i] = at::vec::fmadd(w, vv[i], Vec(a[j][i]));
