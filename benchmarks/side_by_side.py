@@ -109,7 +109,11 @@ def bandwidth(model: str) -> dict:
         check=True,
     ).stdout
     d = json.loads(out)
-    return {"GBps": round(d["bandwidth_GBps"], 1), "other_cpu_cores": d["other_cpu_cores"]}
+    return {
+        "GBps": round(d["bandwidth_GBps"], 1),
+        "bound_tokens_per_s": round(d["bound_tokens_per_s"], 1),  # W2's: membw.py's docstring
+        "other_cpu_cores": d["other_cpu_cores"],
+    }
 
 
 def run(cmd: list[str], log: str) -> None:
