@@ -395,6 +395,54 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 // both stored in x's dtype and read back through it, codes round-half-even((x - zero) / scale)
 // clamped to [0, levels] (two 4-bit codes per byte, the even dimension low). The divisions
 // are IEEE (no reciprocal), as torch's. One pass instead of ~17 small torch ops per tensor.
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 values of T as fp32 (bf16 widening is exact).
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// store_kv_rows' two passes over a row of D = 16k values, 16 at a time: its min and max
+// (a NaN skipped, as std::min / std::max skip it there), then its codes from zero and scale
+// (the same IEEE subtraction and division, rounded half to even, clamped to [0, levels]). 8
+// bits: a byte a value; 4 bits: value 2j in byte j's low nibble, 2j + 1 in its high one.
+// (The scalar loops took 1.8 ms for the 16 x 256 x 4 rows of a W1 prefill's K or V, 43 ms
+// of a bf16 prefill's 0.66 s.)
+template <typename T>
+inline std::pair<float, float> row_range16(const T* xr, int64_t D) {
+  __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = widen16(xr + d);
+    lo = _mm512_min_ps(v, lo);  // a NaN in v: lo (the second operand)
+    hi = _mm512_max_ps(v, hi);
+  }
+  return {_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)};
+}
+
+template <typename T>
+inline void row_codes16(const T* xr, int64_t D, float zero, float scale, float levels,
+                        int64_t bits, uint8_t* out) {
+  const __m512 vz = _mm512_set1_ps(zero), vs = _mm512_set1_ps(scale);
+  const __m512 vl = _mm512_set1_ps(levels), v0 = _mm512_setzero_ps();
+  const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 c = _mm512_div_ps(_mm512_sub_ps(widen16(xr + d), vz), vs);
+    c = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, v0), vl);
+    __m512i i = _mm512_cvttps_epi32(c);
+    if (bits == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm512_cvtepi32_epi8(i));
+    } else {  // the odd dims' codes shifted up into the even dims' bytes
+      i = _mm512_sllv_epi32(i, odd);
+      i = _mm512_or_si512(i, _mm512_srli_epi64(i, 32));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + d / 2), _mm512_cvtepi64_epi8(i));
+    }
+  }
+}
+#endif
+
 template <typename T>
 void store_kv_rows(const T* x, int64_t sx0, int64_t sx1, const int64_t* slots, int64_t n,
                    int64_t H, int64_t D, void* cache, T* sz, int64_t bits) {
@@ -409,10 +457,15 @@ void store_kv_rows(const T* x, int64_t sx0, int64_t sx1, const int64_t* slots, i
         continue;
       }
       float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-      for (int64_t d = 0; d < D; ++d) {
-        lo = std::min(lo, to_f(xr[d]));
-        hi = std::max(hi, to_f(xr[d]));
-      }
+#if defined(CPU_CAPABILITY_AVX512)
+      if (D % 16 == 0)
+        std::tie(lo, hi) = row_range16(xr, D);
+      else
+#endif
+        for (int64_t d = 0; d < D; ++d) {
+          lo = std::min(lo, to_f(xr[d]));
+          hi = std::max(hi, to_f(xr[d]));
+        }
       const float levels = bits == 8 ? 255.f : 15.f;
       const T scale_q = from_f<T>(std::max((hi - lo) / levels, 1e-8f));
       const T zero_q = from_f<T>(lo);
@@ -424,6 +477,12 @@ void store_kv_rows(const T* x, int64_t sx0, int64_t sx1, const int64_t* slots, i
         return static_cast<uint8_t>(std::min(std::max(c, 0.f), levels));
       };
       uint8_t* c = static_cast<uint8_t*>(cache);
+#if defined(CPU_CAPABILITY_AVX512)
+      if (D % 16 == 0) {
+        row_codes16(xr, D, zero, scale, levels, bits, c + idx * (bits == 8 ? D : D / 2));
+        continue;
+      }
+#endif
       if (bits == 8)
         for (int64_t d = 0; d < D; ++d) c[idx * D + d] = code(d);
       else
