@@ -1,5 +1,4 @@
-"""steadylm against one peer, alternating processes, as docs/benchmarks.md's side-by-side
-tables are measured.
+"""steadylm against one peer in alternating processes (docs/benchmarks.md's side-by-side).
 
 This VM's memory bandwidth drifts by tens of percent within minutes, and an engine's speed
 differs from one process to the next. A ratio is only worth reporting when both engines ran
@@ -30,6 +29,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from peer_common import WORKLOADS  # noqa: E402
+
 # peer -> (script, the flag that names its model)
 PEERS = {
     "openvino": ("peer_openvino.py", "--model"),
@@ -126,15 +128,28 @@ def run(cmd: list[str], log: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench_out/llama-110m", help="our checkpoint directory")
-    ap.add_argument("--workload", default="W1")
+    ap.add_argument(
+        "--workload",
+        default="W1",
+        choices=list(WORKLOADS),
+        help="the workloads steadylm bench offline and the peers share",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3, help="runs per process (medians)")
     ap.add_argument("--peer", default="openvino", choices=sorted(PEERS))
     ap.add_argument("--peer-python", required=True, help="the python of the peer's own venv")
     ap.add_argument("--peer-model", required=True, help="the peer's converted model")
-    ap.add_argument("--ours-args", default="--max-total-tokens 65536")
-    ap.add_argument("--peer-args", default="", help="more arguments for the peer's script")
+    ap.add_argument(
+        "--ours-args",
+        default="--max-total-tokens 65536",
+        help="more arguments for steadylm bench offline (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peer-args",
+        default="",
+        help="more arguments for the peer's script (ctranslate2: --tokenizer DIR)",
+    )
     ap.add_argument("--out", required=True, help="a directory for every run's JSON and log")
     ap.add_argument("--lock", default="/tmp/steadylm-bench.lock", help="held for the whole set")
     args = ap.parse_args(argv)
