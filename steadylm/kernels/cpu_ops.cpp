@@ -387,15 +387,25 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
-// ---- KV store ----------------------------------------------------------------------------
+// kVec cached values as floats: in place (fp32), or widened in registers (bf16 -> fp32 is
+// exact: the 16 bits above 16 zero bits), the same values to_float writes.
+inline Vec loadv(const float* p) { return Vec::loadu(p); }
+inline Vec loadv(const c10::BFloat16* p) {
 #if defined(CPU_CAPABILITY_AVX512)
-// 16 values of T as fp32 (bf16 widening is exact).
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  float f[kVec];
+  for (int64_t i = 0; i < kVec; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
 }
 
+// ---- KV store ----------------------------------------------------------------------------
+#if defined(CPU_CAPABILITY_AVX512)
 // store_kv_rows' two passes over a row of D = 16k values, 16 at a time: its min and max
 // (a NaN skipped, as std::min / std::max skip it there), then its codes from zero and scale
 // (the same IEEE subtraction and division, rounded half to even, clamped to [0, levels]). 8
@@ -407,7 +417,7 @@ inline std::pair<float, float> row_range16(const T* xr, int64_t D) {
   __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512 v = widen16(xr + d);
+    const __m512 v = loadv(xr + d);
     lo = _mm512_min_ps(v, lo);  // a NaN in v: lo (the second operand)
     hi = _mm512_max_ps(v, hi);
   }
@@ -421,7 +431,7 @@ inline void row_codes16(const T* xr, int64_t D, float zero, float scale, float l
   const __m512 vl = _mm512_set1_ps(levels), v0 = _mm512_setzero_ps();
   const __m512i odd = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
   for (int64_t d = 0; d < D; d += 16) {
-    __m512 c = _mm512_div_ps(_mm512_sub_ps(widen16(xr + d), vz), vs);
+    __m512 c = _mm512_div_ps(_mm512_sub_ps(loadv(xr + d), vz), vs);
     c = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     c = _mm512_min_ps(_mm512_max_ps(c, v0), vl);
     __m512i i = _mm512_cvttps_epi32(c);
@@ -667,23 +677,6 @@ struct SameType {
 };
 template <typename T>
 using Same = typename SameType<T>::type;
-
-// kVec cached values as floats: in place (fp32), or widened in registers (bf16 -> fp32 is
-// exact: the 16 bits above 16 zero bits), the same values to_float writes.
-inline Vec loadv(const float* p) { return Vec::loadu(p); }
-inline Vec loadv(const c10::BFloat16* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-#else
-  float f[kVec];
-  for (int64_t i = 0; i < kVec; ++i) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
-#endif
-}
 
 // out[i] = the sum of vector i's lanes, for kVec vectors of kVec floats, x + i * ld (a
 // transposing tree: 45 shuffles and adds for 16 sums on AVX-512, against ~8 per vector alone).
