@@ -5,6 +5,7 @@ process settings that decide speed there. Environment variables are read here an
 - `STEADYLM_CPU_MALLOC`: `tuned` (default) or `default`, see `tune_cpu_allocator`.
 - `STEADYLM_CPU_KERNELS`: `native` (default) or `torch`, the fused CPU kernels (steadylm/kernels).
 - `STEADYLM_CPU_AMX_GEMV`: `on` (default) or `off`, see `cpu_amx_gemv`.
+- `STEADYLM_CPU_LM_HEAD_SCREEN`: `on` (default) or `off`, see `cpu_lm_head_screen`.
 - `STEADYLM_CPU_HUGEPAGES`: `on` (default), `collapse` or `off`, see `advise_huge_pages`,
   `collapse_huge_pages` and `torch_huge_pages` (read once more where `import steadylm` runs:
   steadylm/__init__.py).
@@ -165,6 +166,18 @@ def cpu_amx_gemv() -> str:
     in AMX's weight layout run the native GEMV on AMX's tiles (else its vector row tiles up
     to 6 rows, oneDNN's matmul above)."""
     return _choice("STEADYLM_CPU_AMX_GEMV", ("on", "off"))
+
+
+def cpu_lm_head_screen() -> str:
+    """`STEADYLM_CPU_LM_HEAD_SCREEN`: `on` (default) or `off`, whether a greedy step's tokens
+    come through the int8 copy of the LM head, checked exactly (kernels.screened_argmax), on
+    CPUs with AMX's int8 tiles; `off` computes every logit (and keeps no copy)."""
+    return _choice("STEADYLM_CPU_LM_HEAD_SCREEN", ("on", "off"))
+
+
+def cpu_has_amx_int8() -> bool:
+    """Whether /proc/cpuinfo lists amx_int8 (and amx_tile)."""
+    return {"amx_int8", "amx_tile"} <= _cpu_flags()
 
 
 def _cpu_list(text: str) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from steadylm import platform
+from steadylm import kernels, platform
 from steadylm.engine.request import SamplingParams
 from steadylm.errors import ModelLoadError
 from steadylm.layers.awq import AWQLinear, pack_int4, unpack_int4
@@ -141,7 +141,12 @@ def test_awq_weights_stay_4_bit_and_planner_counts_them_exactly(tmp_path):
     model = engine.runner.model
     held = model_weight_bytes(model)
     layout = awq_layout(engine.runner.device.type)
-    planned = weight_bytes_from_config(engine.model_config, 4, layout=layout)
+    mc = engine.model_config
+    planned = weight_bytes_from_config(mc, 4, layout=layout)
+    # and the LM head's int8 copy for greedy steps, where the CPU keeps one (kernels)
+    planned += kernels.planned_screen_bytes(
+        mc.vocab_size, mc.hidden_size, engine.dtype, engine.device, mc.tie_word_embeddings, 1
+    )
     assert held == planned == engine.plan.weight_bytes
     dense = weight_bytes_from_config(
         engine.model_config.__class__(**{**engine.model_config.__dict__, "quantization": None}), 4

@@ -152,6 +152,10 @@ class LLMEngine:
             weights = weight_bytes_from_config(mc, size, config.tp, layout=layout)
         else:
             weights = weight_bytes_from_files(files, dtype)
+        # The LM head's int8 copy for greedy steps, where the CPU model will keep one.
+        weights += kernels.planned_screen_bytes(
+            mc.vocab_size, mc.hidden_size, dtype, device, mc.tie_word_embeddings, config.tp
+        )
         plan = make_plan(mc, config, device, dtype, weights)
         if config.tp > 1:
             from steadylm.engine.executor import TPExecutor

@@ -281,8 +281,16 @@ class ModelRunner:
         if len(rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
         requests = [r.req for r in sampling]
-        # Every row's token the argmax of its logits: no float32 copy of them.
-        logits = self.model.compute_logits(hidden, not self.sampler.plain_greedy(requests))
+        # Every row's token the argmax of its logits: no float32 copy of them; where the LM
+        # head keeps an int8 copy, the tokens without the logits (the same tokens).
+        plain = self.sampler.plain_greedy(requests)
+        screen = getattr(self.model, "greedy_tokens", None)
+        tokens = screen(hidden) if plain and screen is not None else None
+        if tokens is not None:
+            self.in_collectives = False
+            self._count(timer)
+            return {r.request_id: (tok, None) for r, tok in zip(requests, tokens)}
+        logits = self.model.compute_logits(hidden, not plain)
         self.in_collectives = False
         self._count(timer)
         if logits is None:  # a tensor-parallel worker: rank 0 samples

@@ -423,3 +423,96 @@ def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | No
     """y (M, N) = x (M, K) @ W^T (+ bias) for M >= 1 (the caller keeps it to
     `packed_linear_max_rows()`), W at an address `packed_linear_address` returned."""
     return native_ops().packed_linear(x, address, n, bias)
+
+
+# ---- greedy tokens through an int8 copy of the LM head (cpu_ops.cpp screened_argmax) -------
+# A step's rows whose 64-column blocks the bound leaves as candidates run the full head there;
+# past this share of the blocks the screen declines (a flat distribution: little to gain).
+SCREEN_MAX_BLOCK_SHARE = 2  # a half: past it the full head measured faster
+# The most rows (sampling requests) a step screens: above it the bound's candidates from every
+# row cover most blocks and the full head measured as fast (docs/benchmarks.md).
+SCREEN_MAX_ROWS = 16
+
+
+def screen_supported(weight: torch.Tensor, address: int | None) -> bool:
+    """Whether a greedy step may take this LM head's tokens from `screened_argmax`: the CPU's
+    AMX int8 tiles, a weight packed_linear reads (`address`), K and N multiples of 64, finite
+    values, and `STEADYLM_CPU_LM_HEAD_SCREEN` on."""
+    if address is None or platform.cpu_lm_head_screen() != "on" or weight.device.type != "cpu":
+        return False
+    n, k = weight.shape
+    if n % 64 or k % 64 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    ops = _native_for(weight)
+    if ops is None or not hasattr(ops, "screened_argmax") or not ops.screened_argmax_available():
+        return False
+    return bool(torch.isfinite(weight).all())
+
+
+def screen_bytes(n: int, k: int) -> int:
+    """Bytes of the int8 copy `build_screen` makes of an (n, k) LM head."""
+    return n * k + n * 3 * 4
+
+
+def planned_screen_bytes(
+    vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, tied: bool, tp: int
+) -> int:
+    """The bytes the memory plan reserves for an LM head's int8 copy: `screen_bytes` where
+    the model will keep one (the conditions of `screen_supported` that are known before
+    loading: the CPU, the switch, the shapes, an untied head at tp 1), else 0."""
+    if (
+        device.type != "cpu"
+        or tied
+        or tp != 1
+        or vocab % 64
+        or hidden % 64
+        or dtype not in (torch.float32, torch.bfloat16)
+        or platform.cpu_lm_head_screen() != "on"
+        or platform.cpu_gemm() != "onednn"
+        or not platform.cpu_has_amx_int8()
+    ):
+        return 0
+    ops = native_ops()
+    if ops is None or not hasattr(ops, "screened_argmax") or not ops.screened_argmax_available():
+        return 0
+    return screen_bytes(vocab, hidden)
+
+
+def _round_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below x."""
+    f = x.float()
+    return torch.where(f.double() < x, torch.nextafter(f, torch.tensor(float("inf"))), f)
+
+
+def build_screen(
+    weight: torch.Tensor, rows_per_chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 copy of an (N, K) weight screened_argmax reads: codes q (N / 16, K / 4, 16, 4)
+    (per row: round(w / s), s = max|w| / 127, or 1 for a zero row) and stats (3, N) float32:
+    s, |w - s q| and |s q| (Euclidean norms in float64, rounded up)."""
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    stats = torch.empty(3, n, dtype=torch.float32)
+    for lo in range(0, n, rows_per_chunk):
+        w = weight[lo : lo + rows_per_chunk].double()
+        amax = w.abs().amax(dim=1)
+        s = (amax / 127).float()
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / s.double()[:, None]).clamp_(-127, 127)
+        deq = q * s.double()[:, None]
+        stats[0, lo : lo + len(w)] = s
+        stats[1, lo : lo + len(w)] = _round_up_f32((w - deq).norm(dim=1))
+        stats[2, lo : lo + len(w)] = _round_up_f32(deq.norm(dim=1))
+        codes[lo : lo + len(w)] = q.to(torch.int8)
+    tiles = codes.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+    return tiles, stats
+
+
+def screened_argmax(
+    x: torch.Tensor, codes: torch.Tensor, stats: torch.Tensor, address: int
+) -> list[int] | None:
+    """Each row's argmax of x @ W^T (W the packed weight at `address`): the tokens the full
+    logits' argmax gives, bit for bit, or None where the screen declines (run the full head)."""
+    max_blocks = max(1, int(stats.shape[1] // 64 / SCREEN_MAX_BLOCK_SHARE))
+    out = native_ops().screened_argmax(x.contiguous(), codes, stats, address, max_blocks)
+    return None if out.numel() == 0 else out.tolist()

@@ -2866,6 +2866,224 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 }
 
 
+// ---- greedy tokens through an int8 copy of the LM head, checked exactly -------------------
+// A greedy step needs each row's argmax of x @ W^T, not the logits. The LM head is the
+// step's largest read at batch 1 (a quarter of the bench model's fp32 bytes), so the rows
+// first take approximate logits from an int8 copy of W (per-row scale s_v, codes q_v: a
+// quarter of fp32's bytes, half of bf16's) against x quantized per row (s_h, h'), on AMX's
+// int8 tiles (exact int32 sums). For every vocabulary row the gap to the exact logit y_v (the
+// full path's: packed_linear's bits) is bounded: with e_v = w_v - s_v q_v and d = h - s_h h',
+//   |h.w_v - s_h s_v h'.q_v| <= |h| |e_v| + |d| |s_v q_v|   (Cauchy-Schwarz, exact math)
+// plus the roundings of both sums (K products, 2^-24 each, <= K 2^-24 |h| |w_v|), of the
+// approximation's scaling and, for a bf16 model, of y to bf16 (2^-9 relative); eps_v takes
+// each with a margin. The argmax v* has y_v* >= y_u >= l_u - eps_u for every u, so it is
+// among the candidates {v : l_v + eps_v >= max_u (l_u - eps_u)}, with every v tied with it.
+// Their 64-column blocks then run the full path (packed_gemm over one block: a column's bits
+// do not depend on the columns beside it), and the first maximum among them is the token the
+// full logits' argmax gives. Where the bound leaves too many blocks, or x is not finite, the
+// caller runs the full head. q8 holds W's codes as AMX's B tiles want them, 16 columns of
+// K / 4 groups of 4 codes: (V / 16, K / 4, 16, 4); stats (3, V): s_v, |e_v|, |s_v q_v|
+// (norms rounded up). x is quantized in two int8 parts (the second its residual's), so the
+// bound's |d| term is ~1/254 of a single part's and |h| |e_v| is most of eps.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+constexpr int64_t kScreenK = 64;  // an int8 A tile's K values (64 bytes a row)
+
+// out (2, rows, vp) int32: hq's two parts (2, rows <= 16, k int8, k apart) . q8 codes; 32
+// columns a pass (tiles: 0-1 A, 2-3 B, 4-7 C).
+void screen_logits(const int8_t* hq, const int8_t* q8, int32_t* out, int64_t rows, int64_t vp,
+                   int64_t k) {
+  const int8_t* hq2 = hq + rows * k;
+  int32_t* out2 = out + rows * vp;
+  parallel_claims(vp / 32, [&](auto&& claim) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+    cfg.rows[2] = cfg.rows[3] = kScreenK / 4;
+    load_tile_config(cfg);
+    for (int64_t b0, b1; claim(b0, b1);)
+      for (int64_t b = b0; b < b1; ++b) {
+        const int8_t* s = q8 + b * 32 * k;  // two 16-column blocks, 16 * k bytes each
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t i = 0; i < k; i += kScreenK) {
+          _tile_loadd(0, hq + i, k);
+          _tile_loadd(1, hq2 + i, k);
+          _tile_loadd(2, s + i * 16, 64);
+          _tile_dpbssd(4, 0, 2);
+          _tile_dpbssd(6, 1, 2);
+          _tile_loadd(3, s + 16 * k + i * 16, 64);
+          _tile_dpbssd(5, 0, 3);
+          _tile_dpbssd(7, 1, 3);
+        }
+        _tile_stored(4, out + b * 32, vp * 4);
+        _tile_stored(5, out + b * 32 + 16, vp * 4);
+        _tile_stored(6, out2 + b * 32, vp * 4);
+        _tile_stored(7, out2 + b * 32 + 16, vp * 4);
+      }
+    _tile_release();
+  });
+}
+
+inline at::Tensor declined(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kLong)); }
+
+template <typename T>
+at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& stats,
+                                int64_t weight, int64_t max_blocks) {
+  const int64_t m = x.size(0), k = x.size(1), vp = stats.size(1);
+  const T* xp = x.data_ptr<T>();
+  const float* st = stats.data_ptr<float>();
+  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value;
+  // Per row: h ~ s1 h1 + s2 h2 (h2 the residual's codes, so |d| = |h - s1 h1 - s2 h2| is ~1/254
+  // of one part's), |h| and |d| (rounded up); the parts as int8 rows, 16 rows a group.
+  const int64_t groups = (m + 15) / 16;
+  std::vector<int8_t> hq(groups * 2 * 16 * k);
+  std::vector<float> s1(m), s2(m), hn(m), dn(m);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t g = r / 16, rows = std::min<int64_t>(16, m - g * 16);
+    int8_t* p1 = hq.data() + g * 2 * 16 * k + (r % 16) * k;
+    int8_t* p2 = p1 + rows * k;
+    double amax = 0, ss = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const double v = static_cast<float>(xp[r * k + i]);
+      amax = std::max(amax, std::fabs(v));
+      ss += v * v;
+    }
+    if (!std::isfinite(amax) || !std::isfinite(ss)) return declined(x);
+    const float a = amax > 0 ? static_cast<float>(amax / 127.0) : 1.f;
+    double rmax = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const double v = static_cast<float>(xp[r * k + i]);
+      const double c = std::clamp(std::nearbyint(v / a), -127.0, 127.0);
+      p1[i] = static_cast<int8_t>(c);
+      rmax = std::max(rmax, std::fabs(v - c * a));
+    }
+    const float b = rmax > 0 ? static_cast<float>(rmax / 127.0) : 1.f;
+    double ds = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const double v = static_cast<float>(xp[r * k + i]);
+      const double res = v - p1[i] * static_cast<double>(a);
+      const double c = std::clamp(std::nearbyint(res / b), -127.0, 127.0);
+      p2[i] = static_cast<int8_t>(c);
+      ds += (res - c * b) * (res - c * b);
+    }
+    s1[r] = a, s2[r] = b;
+    hn[r] = static_cast<float>(std::sqrt(ss) * (1 + 1e-6));
+    dn[r] = static_cast<float>(std::sqrt(ds) * (1 + 1e-6));
+  }
+  // Approximate logits and their bounds: lo = l - eps, hi = l + eps.
+  std::vector<int32_t> acc(2 * std::min<int64_t>(m, 16) * vp);
+  std::vector<float> lo(m * vp), hi(m * vp);
+  const float fp = static_cast<float>(k) * std::ldexp(1.f, -23);
+  const float* sv = st;
+  const float* en = st + vp;
+  const float* wn = st + 2 * vp;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * 16, rows = std::min<int64_t>(16, m - r0);
+    screen_logits(hq.data() + g * 2 * 16 * k, q8.data_ptr<int8_t>(), acc.data(), rows, vp, k);
+    at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const int64_t row = r0 + r;
+        const int32_t* c1 = acc.data() + r * vp;
+        const int32_t* c2 = acc.data() + (rows + r) * vp;
+        const float a1 = s1[row], a2 = s2[row], h = hn[row], d = dn[row];
+        float* l_lo = lo.data() + row * vp;
+        float* l_hi = hi.data() + row * vp;
+        for (int64_t v = 0; v < vp; ++v) {
+          const float l = (static_cast<float>(c1[v]) * a1 + static_cast<float>(c2[v]) * a2) * sv[v];
+          float eps = (h * en[v] + d * wn[v] + fp * h * (wn[v] + en[v])) * (1.f + 0x1p-16f) +
+                      0x1p-20f * std::fabs(l);
+          if constexpr (kBf16) eps += 0x1p-7f * (std::fabs(l) + eps);
+          l_lo[v] = l - eps;
+          l_hi[v] = l + eps;
+        }
+      }
+    });
+  }
+  // Candidates and their blocks.
+  std::vector<std::vector<int64_t>> cand(m);
+  std::vector<char> need(vp / 64, 0);
+  int64_t blocks = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* l = lo.data() + r * vp;
+    const float* h = hi.data() + r * vp;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t v = 0; v < vp; ++v) best = std::max(best, l[v]);
+    if (!std::isfinite(best)) return declined(x);
+    for (int64_t v = 0; v < vp; ++v)
+      if (h[v] >= best) {
+        cand[r].push_back(v);
+        if (!need[v / 64]) need[v / 64] = 1, ++blocks;
+      }
+    if (blocks > max_blocks) return declined(x);
+  }
+  // The full path over the candidates' blocks, then each row's first maximum among them.
+  const T* w = reinterpret_cast<const T*>(weight & ~(kLayout32 | kAmx));
+  std::vector<int64_t> which;
+  for (int64_t b = 0; b < vp / 64; ++b)
+    if (need[b]) which.push_back(b);
+  std::vector<T> y(which.size() * m * 64);
+  // One block a call (a one-block packed_gemm runs on its calling thread), the blocks shared
+  // out among the threads.
+  at::parallel_for(0, static_cast<int64_t>(which.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      packed_gemm<T>(xp, w + which[i] * k * 64, nullptr, y.data() + i * m * 64, m, 64, k,
+                     (weight & kLayout32) != 0, (weight & kAmx) != 0);
+  });
+  std::vector<int64_t> slot(vp / 64, -1);
+  for (size_t i = 0; i < which.size(); ++i) slot[which[i]] = static_cast<int64_t>(i);
+  auto out = at::empty({m}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t arg = -1;
+    float top = 0.f;
+    for (int64_t v : cand[r]) {
+      const float val = static_cast<float>(y[(slot[v / 64] * m + r) * 64 + v % 64]);
+      if (std::isnan(val)) return declined(x);
+      if (arg < 0 || val > top) arg = v, top = val;
+    }
+    op[r] = arg;
+  }
+  return out;
+}
+#endif
+
+// Whether this build and process take screened_argmax (AMX's int8 tiles).
+bool screened_argmax_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// Each row's argmax of x (m, K) @ W^T, W the packed weight at `weight` (packed_linear's, no
+// bias, N = stats.size(1)): the greedy tokens, bit for bit those of packed_linear's logits,
+// through the int8 copy above (q8, stats). An empty result where the screen declines (x not
+// finite, more than max_blocks 64-column blocks to check): the caller runs the full head.
+at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& stats,
+                           int64_t weight, int64_t max_blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.size(0) >= 1,
+              "screened_argmax: x must be a contiguous 2-D CPU tensor with rows");
+  const int64_t k = x.size(1), vp = stats.size(1);
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 3 && stats.scalar_type() == at::kFloat &&
+                  stats.is_contiguous() && vp > 0 && vp % 64 == 0,
+              "screened_argmax: stats must be a contiguous float (3, N), N % 64 == 0");
+  TORCH_CHECK(k % 64 == 0 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.numel() == vp * k,
+              "screened_argmax: q8 must hold N * K int8 codes, K % 64 == 0");
+  TORCH_CHECK(!(weight & kLayout32) || x.scalar_type() == at::kBFloat16,
+              "screened_argmax: 32-column blocks are a bf16 layout");
+  TORCH_CHECK(screened_argmax_available(), "screened_argmax: no AMX int8 tiles here");
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  if (x.scalar_type() == at::kFloat)
+    return screened_argmax_impl<float>(x, q8, stats, weight, max_blocks);
+  if (x.scalar_type() == at::kBFloat16)
+    return screened_argmax_impl<c10::BFloat16>(x, q8, stats, weight, max_blocks);
+#endif
+  TORCH_CHECK(false, "screened_argmax: dtype ", x.scalar_type(), " not built");
+}
+
 // ---- A decode step's decoder layers in one call -------------------------------------------
 // Llama's layer (Qwen2 / Mistral alike: an optional qkv bias, no q/k norm) for T decode rows
 // over the paged cache, calling the ops above in the order and with the arguments
@@ -2979,6 +3197,9 @@ TORCH_LIBRARY(steadylm_cpu, m) {
       "Tensor token_seq, Tensor context_lens, float scale, int window, bool amx=True) -> Tensor",
       &prefill_attention);
   m.def("packed_linear(Tensor x, int weight, int n, Tensor? bias) -> Tensor", &packed_linear);
+  m.def("screened_argmax(Tensor x, Tensor q8, Tensor stats, int weight, int max_blocks) -> Tensor",
+        &screened_argmax);
+  m.def("screened_argmax_available() -> bool", &screened_argmax_available);
   m.def("packed_linear_layouts() -> str", &packed_linear_layouts);
   m.def("packed_linear_max_rows() -> int", &packed_linear_max_rows);
   m.def("bind_omp_threads(int[] cpus, bool calling) -> int", &bind_omp_threads);

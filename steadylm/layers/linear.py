@@ -73,6 +73,26 @@ class OneDNNDenseKernel(LinearKernel):
             else kernels.packed_linear_max_rows(self.gemv_address, self.in_features, weight.dtype)
         )
 
+    def add_screen(self, weight: torch.Tensor) -> bool:
+        """Keep an int8 copy of the weight for `greedy_tokens` (an LM head's; see
+        kernels.build_screen) where the CPU and the layout take it; returns whether it did."""
+        if self.bias is not None or not kernels.screen_supported(weight, self.gemv_address):
+            return False
+        self.screen_codes, self.screen_stats = kernels.build_screen(weight)
+        return True
+
+    def greedy_tokens(self, x: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of `apply(x)`, the same tokens, through the int8 copy
+        (kernels.screened_argmax); None without one, where the full logits are not
+        packed_linear's (more rows than it takes), or where the screen declines."""
+        codes = getattr(self, "screen_codes", None)
+        rows = x.shape[0]
+        if codes is None or x.dim() != 2 or not 0 < rows <= self.gemv_max_rows:
+            return None
+        if rows > kernels.SCREEN_MAX_ROWS:
+            return None
+        return kernels.screened_argmax(x, codes, self.screen_stats, self.gemv_address)
+
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
         return (
@@ -149,6 +169,8 @@ class Linear(nn.Module):
             self.bias.weight_loader = self._load
         self.kernel: LinearKernel | None = None
         self.shared_weight = False  # tied to the embedding: keep the dense parameter
+        # An LM head: also keep an int8 copy for greedy steps (OneDNNDenseKernel.add_screen).
+        self.greedy_screen = False
 
     def _load(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
         """Copy this rank's part of checkpoint tensor `loaded` (output shard `shard_id` of a
@@ -168,12 +190,21 @@ class Linear(nn.Module):
         except RuntimeError as exc:  # an old or unusual oneDNN build: keep F.linear
             logger.warning("oneDNN linear unavailable (%s); using F.linear", exc)
             return
+        if self.greedy_screen and not self.reduce:
+            kernel.add_screen(self.weight.data)
         self.kernel = kernel
         del self.weight  # only the packed copy stays
         self.weight = None
         if fused_bias is not None:
             del self.bias
             self.bias = None
+
+    def greedy_tokens(self, x: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of forward(x) (x (S, K)) without the full logits where the kernel
+        keeps an int8 copy of the weight, else None: compute the logits."""
+        if self.kernel is None or self.reduce or not hasattr(self.kernel, "greedy_tokens"):
+            return None
+        return self.kernel.greedy_tokens(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:

@@ -285,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(cfg, **self.attn_flags(cfg))
         # Vocab-parallel like the embedding: each rank computes its block of the logits.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, split=Split.vocab(cfg.vocab_size))
+        self.lm_head.greedy_screen = parallel.world_size() == 1
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -295,6 +296,13 @@ class LlamaForCausalLM(nn.Module):
     ):
         """ids, positions (T,) -> final hidden states (T, C)."""
         return self.model(ids, positions, backend, cache, md)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of compute_logits(hidden) where the LM head can give it without
+        the logits (an int8 copy, checked exactly: layers/linear.py), else None."""
+        if parallel.world_size() != 1 or self.lm_head.shared_weight:
+            return None
+        return self.lm_head.greedy_tokens(hidden)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         """(S, V) float32 logits (at tp == 1 with float32=False, as the lm_head wrote them: for a

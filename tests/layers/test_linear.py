@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steadylm import kernels
+from steadylm import kernels, platform
 from steadylm.engine.request import SamplingParams
 from steadylm.layers.linear import Linear, OneDNNDenseKernel
 from steadylm.loader import model_weight_bytes
@@ -333,3 +333,95 @@ def test_row_buckets_pad_at_most_an_eighth():
     assert [row_bucket(m) for m in (0, 1, 16, 17, 33, 100, 1000)] == [0, 1, 16, 18, 36, 104, 1024]
     assert all(m <= row_bucket(m) <= m * 1.125 for m in range(1, 8193))
     assert len({row_bucket(m) for m in range(1, 8193)}) == 16 + 8 * 9
+
+
+# ---- greedy tokens through the LM head's int8 copy (kernels.screened_argmax) ---------------
+def _screen_kernel(w):
+    kernel = _gemv_kernel(w, None)
+    if not kernel.add_screen(w):
+        pytest.skip(
+            "no int8 LM head screen on this CPU (it needs AMX's int8 tiles: "
+            f"{platform.cpu_has_amx_int8()}; native kernels: {kernels.status()})"
+        )
+    return kernel
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_screened_greedy_tokens_are_the_full_argmax(dtype, rows):
+    """The tokens a greedy step takes through the int8 copy are the full logits' argmax, bit
+    for bit: rows of w in pairs closer than an int8 step (x along one of them), an exact tie
+    (the first index wins). The screen may decline (None: the caller computes the logits) but
+    must take most of these steps."""
+    torch.manual_seed(0)
+    v, k = 4096, 128  # 64 blocks of 64: 16 rows' candidates stay under half of them
+    w = torch.randn(v, k) * 0.05
+    w[1::2] = w[0::2] + 1e-4 * torch.randn(v // 2, k)  # near twins
+    w[700] = w[300]  # an exact tie: 300 must win
+    w = w.to(dtype)
+    kernel = _screen_kernel(w)
+    screened = 0
+    for trial in range(30):
+        # each row along a row of w (its twin within an int8 step of it), some noise
+        near = torch.randint(0, v, (rows,))
+        near[0] = (2 * trial + trial % 2) % v
+        x = w[near].float() * (5 + trial) + 0.1 * torch.randn(rows, k)
+        if trial % 3 == 0:
+            x[-1] = w[300].float() * 10
+        x = x.to(dtype)
+        want = kernels.argmax(kernel.apply(x)).tolist()
+        got = kernel.greedy_tokens(x)
+        if got is not None:
+            screened += 1
+            assert got == want, trial
+            if trial % 3 == 0:
+                assert got[-1] == 300
+    assert screened >= 20, screened
+
+
+@needs_onednn
+def test_screen_declines_what_it_cannot_bound():
+    """A row that is not finite, or more rows than the screen takes: None (the full head)."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 64) * 0.05
+    kernel = _screen_kernel(w)
+    x = torch.randn(2, 64)
+    assert kernel.greedy_tokens(x) == kernels.argmax(kernel.apply(x)).tolist()
+    x[1, 3] = float("inf")
+    assert kernel.greedy_tokens(x) is None
+    assert kernel.greedy_tokens(torch.randn(kernels.SCREEN_MAX_ROWS + 1, 64)) is None
+
+
+@needs_onednn
+def test_greedy_steps_take_the_screen_and_match_transformers(tmp_path, monkeypatch):
+    """An untied LM head the screen takes: greedy output equals transformers' with the screen
+    on (and it served steps) and off (no copy kept)."""
+    from tests.conftest import GEMV_SIZES, make_hf_model
+
+    hf = make_hf_model("qwen2", vocab_size=256, **GEMV_SIZES)
+    hf.save_pretrained(tmp_path)
+    prompts = [[3, 17, 42, 5, 88, 61, 9, 23], [7, 7, 1, 200, 13]]
+    want = [hf_greedy(hf, p, 16) for p in prompts]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    real = kernels.screened_argmax
+    for switch in ("on", "off"):
+        monkeypatch.setenv("STEADYLM_CPU_LM_HEAD_SCREEN", switch)
+        engine = engine_for(str(tmp_path))
+        head = engine.runner.model.lm_head
+        if switch == "on" and getattr(head.kernel, "screen_codes", None) is None:
+            pytest.skip("no int8 LM head screen on this CPU (it needs AMX's int8 tiles)")
+        served = []
+
+        def spy(*a, served=served):
+            out = real(*a)
+            served.append(out is not None)
+            return out
+
+        monkeypatch.setattr(kernels, "screened_argmax", spy)
+        got = [o.output_token_ids for o in engine.generate(prompts, params)]
+        assert got == want, switch
+        if switch == "on":
+            assert sum(served) >= 8, served
+        else:
+            assert served == [] and getattr(head.kernel, "screen_codes", None) is None
