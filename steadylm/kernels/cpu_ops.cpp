@@ -3017,8 +3017,32 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
       }
     if (blocks > max_blocks) return declined(x);
   }
-  // The full path over the candidates' blocks, then each row's first maximum among them.
   const T* w = reinterpret_cast<const T*>(weight & ~(kLayout32 | kAmx));
+  auto out = at::empty({m}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  if constexpr (std::is_same<T, float>::value) {
+    // fp32: a column's logit is the GEMV's chain of FMAs in K order from zero (gemv_step and
+    // blocked_gemm alike: partial sums kept in fp32 between K chunks), so each candidate is
+    // recomputed alone, reading its own weights (one lane of its block) and not the block's.
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, m, 1, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        int64_t arg = -1;
+        float top = 0.f;
+        for (int64_t v : cand[r]) {
+          const float* col = w + (v / 64) * k * 64 + v % 64;
+          float val = 0.f;
+          for (int64_t i = 0; i < k; ++i) val = __builtin_fmaf(xp[r * k + i], col[i * 64], val);
+          if (std::isnan(val)) bad = true;
+          if (arg < 0 || val > top) arg = v, top = val;
+        }
+        op[r] = arg;
+      }
+    });
+    return bad ? declined(x) : out;
+  }
+  // bf16 (AMX's sums, in the unit's order): the full path over the candidates' blocks, then
+  // each row's first maximum among them.
   std::vector<int64_t> which;
   for (int64_t b = 0; b < vp / 64; ++b)
     if (need[b]) which.push_back(b);
@@ -3032,8 +3056,6 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
   });
   std::vector<int64_t> slot(vp / 64, -1);
   for (size_t i = 0; i < which.size(); ++i) slot[which[i]] = static_cast<int64_t>(i);
-  auto out = at::empty({m}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
     int64_t arg = -1;
     float top = 0.f;

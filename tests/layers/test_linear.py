@@ -425,3 +425,28 @@ def test_greedy_steps_take_the_screen_and_match_transformers(tmp_path, monkeypat
             assert sum(served) >= 8, served
         else:
             assert served == [] and getattr(head.kernel, "screen_codes", None) is None
+
+
+@needs_onednn
+def test_screened_fp32_tokens_follow_the_full_paths_roundings():
+    """Two rows of w equal up to swapping pairs of columns, with x equal across each pair:
+    their logits are equal in exact arithmetic and differ only in the fp32 sums' rounding, so
+    the token is whichever the full path's order of FMAs rounds higher (the first on a tie);
+    the screen's recomputation must round the same way."""
+    torch.manual_seed(0)
+    v, k = 512, 128
+    w = torch.randn(v, k) * 0.05
+    swapped = w.view(v, k // 2, 2).flip(-1).reshape(v, k)
+    w[1::2] = swapped[0::2]  # row 2i + 1: row 2i with each column pair swapped
+    kernel = _screen_kernel(w)
+    differs = 0
+    for trial in range(60):
+        a = 2 * trial % v
+        x = ((w[a] + w[a + 1]) / 2 * (3 + trial % 7)).view(k // 2, 2).mean(-1)
+        x = x.repeat_interleave(2)[None]  # equal across each pair
+        logits = kernel.apply(x)
+        differs += bool(logits[0, a] != logits[0, a + 1])
+        got = kernel.greedy_tokens(x)
+        assert got is not None
+        assert got == kernels.argmax(logits).tolist(), trial
+    assert differs >= 10, differs  # the case tells the sums' orders apart
