@@ -2971,10 +2971,13 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
     hn[r] = static_cast<float>(std::sqrt(ss) * (1 + 1e-6));
     dn[r] = static_cast<float>(std::sqrt(ds) * (1 + 1e-6));
   }
-  // Approximate logits and their bounds: lo = l - eps, hi = l + eps.
+  // Approximate logits and their bounds, lo = l - eps and hi = l + eps, 16 vocabulary rows a
+  // vector; each row's best lower bound, then its candidates (hi >= best), the rows shared out
+  // among the threads.
   std::vector<int32_t> acc(2 * std::min<int64_t>(m, 16) * vp);
-  std::vector<float> lo(m * vp), hi(m * vp);
-  const float fp = static_cast<float>(k) * std::ldexp(1.f, -23);
+  std::vector<float> hi(std::min<int64_t>(m, 16) * vp);
+  std::vector<std::vector<int64_t>> cand(m);
+  std::vector<float> best(m);
   const float* sv = st;
   const float* en = st + vp;
   const float* wn = st + 2 * vp;
@@ -2982,39 +2985,49 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
     const int64_t r0 = g * 16, rows = std::min<int64_t>(16, m - r0);
     screen_logits(hq.data() + g * 2 * 16 * k, q8.data_ptr<int8_t>(), acc.data(), rows, vp, k);
     at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
+      const __m512 fp = _mm512_set1_ps(static_cast<float>(k) * 0x1p-23f);
+      const __m512 margin = _mm512_set1_ps(1.f + 0x1p-16f), rel = _mm512_set1_ps(0x1p-20f);
+      const __m512 bf16_rel = _mm512_set1_ps(0x1p-7f);
       for (int64_t r = a; r < b; ++r) {
         const int64_t row = r0 + r;
         const int32_t* c1 = acc.data() + r * vp;
         const int32_t* c2 = acc.data() + (rows + r) * vp;
-        const float a1 = s1[row], a2 = s2[row], h = hn[row], d = dn[row];
-        float* l_lo = lo.data() + row * vp;
-        float* l_hi = hi.data() + row * vp;
-        for (int64_t v = 0; v < vp; ++v) {
-          const float l = (static_cast<float>(c1[v]) * a1 + static_cast<float>(c2[v]) * a2) * sv[v];
-          float eps = (h * en[v] + d * wn[v] + fp * h * (wn[v] + en[v])) * (1.f + 0x1p-16f) +
-                      0x1p-20f * std::fabs(l);
-          if constexpr (kBf16) eps += 0x1p-7f * (std::fabs(l) + eps);
-          l_lo[v] = l - eps;
-          l_hi[v] = l + eps;
+        const __m512 a1 = _mm512_set1_ps(s1[row]), a2 = _mm512_set1_ps(s2[row]);
+        const __m512 h = _mm512_set1_ps(hn[row]), d = _mm512_set1_ps(dn[row]);
+        float* h_row = hi.data() + r * vp;
+        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t v = 0; v < vp; v += 16) {
+          const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
+          const __m512 l = _mm512_mul_ps(
+              _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c1 + v)), a1),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c2 + v)), a2)),
+              _mm512_loadu_ps(sv + v));
+          const __m512 al = _mm512_abs_ps(l);
+          __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
+          eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
+          eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
+          if constexpr (kBf16) eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
+          top = _mm512_max_ps(top, _mm512_sub_ps(l, eps));
+          _mm512_storeu_ps(h_row + v, _mm512_add_ps(l, eps));
         }
+        const float bound = _mm512_reduce_max_ps(top);
+        best[row] = bound;
+        if (!std::isfinite(bound)) continue;  // declined below
+        const __m512 bv = _mm512_set1_ps(bound);
+        for (int64_t v = 0; v < vp; v += 16)
+          for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(h_row + v), bv, _CMP_GE_OQ); hit;
+               hit &= hit - 1)
+            cand[row].push_back(v + __builtin_ctz(hit));
       }
     });
   }
-  // Candidates and their blocks.
-  std::vector<std::vector<int64_t>> cand(m);
+  // Their blocks: past max_blocks, the full head.
   std::vector<char> need(vp / 64, 0);
   int64_t blocks = 0;
   for (int64_t r = 0; r < m; ++r) {
-    const float* l = lo.data() + r * vp;
-    const float* h = hi.data() + r * vp;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t v = 0; v < vp; ++v) best = std::max(best, l[v]);
-    if (!std::isfinite(best)) return declined(x);
-    for (int64_t v = 0; v < vp; ++v)
-      if (h[v] >= best) {
-        cand[r].push_back(v);
-        if (!need[v / 64]) need[v / 64] = 1, ++blocks;
-      }
+    if (!std::isfinite(best[r])) return declined(x);
+    for (int64_t v : cand[r])
+      if (!need[v / 64]) need[v / 64] = 1, ++blocks;
     if (blocks > max_blocks) return declined(x);
   }
   const T* w = reinterpret_cast<const T*>(weight & ~(kLayout32 | kAmx));

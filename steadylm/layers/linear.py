@@ -89,7 +89,7 @@ class OneDNNDenseKernel(LinearKernel):
         rows = x.shape[0]
         if codes is None or x.dim() != 2 or not 0 < rows <= self.gemv_max_rows:
             return None
-        if rows > kernels.SCREEN_MAX_ROWS:
+        if rows > kernels.SCREEN_MAX_ROWS.get(x.dtype, 0):
             return None
         return kernels.screened_argmax(x, codes, self.screen_stats, self.gemv_address)
 
