@@ -299,9 +299,8 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """Each row's argmax of compute_logits(hidden) where the LM head can give it without
-        the logits (an int8 copy, checked exactly: layers/linear.py), else None."""
-        if parallel.world_size() != 1 or self.lm_head.shared_weight:
-            return None
+        the logits (an int8 copy, checked exactly: layers/linear.py), else None. Only a head
+        built at tp == 1 (greedy_screen) and untied (its own kernel) keeps the copy."""
         return self.lm_head.greedy_tokens(hidden)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
