@@ -426,13 +426,13 @@ def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | No
 
 
 # ---- greedy tokens through an int8 copy of the LM head (cpu_ops.cpp screened_argmax) -------
-# A step's rows whose 64-column blocks the bound leaves as candidates run the full head there;
-# past this share of the blocks the screen declines (a flat distribution: little to gain).
+# The columns whose logits the bound leaves as candidates run the full head's arithmetic
+# (16 columns at a time); past this share of the head the screen declines (a flat
+# distribution: little to gain).
 SCREEN_MAX_BLOCK_SHARE = 2  # a half: past it the full head measured faster
-# The most rows (sampling requests) a step screens, by the head's dtype: above it the rows'
-# candidates cover most blocks and the full head measured as fast (bf16's AMX head is half
-# fp32's bytes; docs/benchmarks.md, twenty-third session).
-SCREEN_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+# The most rows (sampling requests) a step screens: one group of AMX's int8 tiles. Above it
+# the rows' candidates cover most of the head (docs/benchmarks.md, twenty-fourth session).
+SCREEN_MAX_ROWS = 16
 
 
 def screen_supported(weight: torch.Tensor, address: int | None) -> bool:

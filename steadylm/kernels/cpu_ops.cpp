@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -2878,9 +2879,10 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 // approximation's scaling and, for a bf16 model, of y to bf16 (2^-9 relative); eps_v takes
 // each with a margin. The argmax v* has y_v* >= y_u >= l_u - eps_u for every u, so it is
 // among the candidates {v : l_v + eps_v >= max_u (l_u - eps_u)}, with every v tied with it.
-// Their 64-column blocks then run the full path (packed_gemm over one block: a column's bits
-// do not depend on the columns beside it), and the first maximum among them is the token the
-// full logits' argmax gives. Where the bound leaves too many blocks, or x is not finite, the
+// They are recomputed on the full path's arithmetic (a column's bits do not depend on the
+// columns beside it: fp32 as the GEMV's FMA chain, bf16 as AMX's 16-column tiles or the vector
+// GEMV's 64-column blocks), and the first maximum among them is the token the full logits'
+// argmax gives. Where the bound leaves too many columns to recompute, or x is not finite, the
 // caller runs the full head. q8 holds W's codes as AMX's B tiles want them, 16 columns of
 // K / 4 groups of 4 codes: (V / 16, K / 4, 16, 4); stats (3, V): s_v, |e_v|, |s_v q_v|
 // (norms rounded up). x is quantized in two int8 parts (the second its residual's), so the
@@ -2888,17 +2890,40 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
 constexpr int64_t kScreenK = 64;  // an int8 A tile's K values (64 bytes a row)
 
-// out (2, rows, vp) int32: hq's two parts (2, rows <= 16, k int8, k apart) . q8 codes; 32
-// columns a pass (tiles: 0-1 A, 2-3 B, 4-7 C).
-void screen_logits(const int8_t* hq, const int8_t* q8, int32_t* out, int64_t rows, int64_t vp,
-                   int64_t k) {
+// A group of up to 16 rows' screen: hq's two parts (2, rows, k int8, k apart) . q8's codes on
+// AMX's int8 tiles, 32 columns a pass (tiles: 0-1 A, 2-3 B, 4-7 C), and from each pass's sums
+// at once each row's approximate logits and bounds (below). Per row it returns the best lower
+// bound, best[r], and every v whose upper bound reaches it, hi_v >= best[r], in ascending
+// order. A thread keeps the v whose upper bound reaches its running best (a superset); the
+// final best then filters them.
+struct ScreenRow {
+  float s1, s2, h, d;  // x's two parts' scales, |h| and |d| (rounded up)
+};
+
+template <bool kBf16>
+void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const ScreenRow* row,
+                   int64_t rows, int64_t vp, int64_t k, float* best,
+                   std::vector<int64_t>* cand) {
   const int8_t* hq2 = hq + rows * k;
-  int32_t* out2 = out + rows * vp;
+  const float* sv = stats;
+  const float* en = stats + vp;
+  const float* wn = stats + 2 * vp;
+  std::mutex merge;
+  std::fill_n(best, rows, -std::numeric_limits<float>::infinity());
+  std::vector<std::pair<int64_t, float>> found[16];  // (v, hi_v) from every thread
   parallel_claims(vp / 32, [&](auto&& claim) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
     cfg.rows[2] = cfg.rows[3] = kScreenK / 4;
     load_tile_config(cfg);
+    const __m512 fp = _mm512_set1_ps(static_cast<float>(k) * 0x1p-23f);
+    const __m512 margin = _mm512_set1_ps(1.f + 0x1p-16f), rel = _mm512_set1_ps(0x1p-20f);
+    const __m512 bf16_rel = _mm512_set1_ps(0x1p-7f);
+    alignas(64) int32_t c[2][16][32];
+    alignas(64) float hv[16];
+    float top[16];
+    std::fill_n(top, 16, -std::numeric_limits<float>::infinity());
+    std::vector<std::pair<int64_t, float>> mine[16];
     for (int64_t b0, b1; claim(b0, b1);)
       for (int64_t b = b0; b < b1; ++b) {
         const int8_t* s = q8 + b * 32 * k;  // two 16-column blocks, 16 * k bytes each
@@ -2916,13 +2941,57 @@ void screen_logits(const int8_t* hq, const int8_t* q8, int32_t* out, int64_t row
           _tile_dpbssd(5, 0, 3);
           _tile_dpbssd(7, 1, 3);
         }
-        _tile_stored(4, out + b * 32, vp * 4);
-        _tile_stored(5, out + b * 32 + 16, vp * 4);
-        _tile_stored(6, out2 + b * 32, vp * 4);
-        _tile_stored(7, out2 + b * 32 + 16, vp * 4);
+        _tile_stored(4, &c[0][0][0], 128);
+        _tile_stored(5, &c[0][0][16], 128);
+        _tile_stored(6, &c[1][0][0], 128);
+        _tile_stored(7, &c[1][0][16], 128);
+        // l = s_v (s1 h1.q_v + s2 h2.q_v); eps = (|h| |e_v| + |d| |s_v q_v| + the sums'
+        // roundings, K 2^-23 |h| (|e_v| + |s_v q_v|)) (1 + 2^-16) + 2^-20 |l|, and for bf16
+        // + 2^-7 (|l| + eps): lo = l - eps, hi = l + eps.
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 a1 = _mm512_set1_ps(row[r].s1), a2 = _mm512_set1_ps(row[r].s2);
+          const __m512 h = _mm512_set1_ps(row[r].h), d = _mm512_set1_ps(row[r].d);
+          __m512 lo_max = _mm512_set1_ps(top[r]);
+          for (int half = 0; half < 2; ++half) {
+            const int64_t v = b * 32 + half * 16;
+            const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
+            const __m512 l = _mm512_mul_ps(
+                _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[0][r][half * 16])), a1),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[1][r][half * 16])), a2)),
+                _mm512_loadu_ps(sv + v));
+            const __m512 al = _mm512_abs_ps(l);
+            __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
+            eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
+            eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
+            if constexpr (kBf16)
+              eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
+            const __m512 lo = _mm512_sub_ps(l, eps), hi = _mm512_add_ps(l, eps);
+            lo_max = _mm512_max_ps(lo_max, lo);
+            // hi against the running best before this pass: a superset of the final's
+            __mmask16 hit = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(top[r]), _CMP_GE_OQ);
+            if (hit) _mm512_store_ps(hv, hi);
+            for (; hit; hit &= hit - 1) {
+              const int j = __builtin_ctz(hit);
+              mine[r].emplace_back(v + j, hv[j]);
+            }
+          }
+          top[r] = _mm512_reduce_max_ps(lo_max);
+        }
       }
     _tile_release();
+    std::lock_guard<std::mutex> lock(merge);
+    for (int64_t r = 0; r < rows; ++r) {
+      best[r] = std::max(best[r], top[r]);
+      found[r].insert(found[r].end(), mine[r].begin(), mine[r].end());
+    }
   });
+  for (int64_t r = 0; r < rows; ++r) {
+    cand[r].clear();
+    for (const auto& [v, hi] : found[r])
+      if (hi >= best[r]) cand[r].push_back(v);
+    std::sort(cand[r].begin(), cand[r].end());
+  }
 }
 
 inline at::Tensor declined(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kLong)); }
@@ -2938,7 +3007,7 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
   // of one part's), |h| and |d| (rounded up); the parts as int8 rows, 16 rows a group.
   const int64_t groups = (m + 15) / 16;
   std::vector<int8_t> hq(groups * 2 * 16 * k);
-  std::vector<float> s1(m), s2(m), hn(m), dn(m);
+  std::vector<ScreenRow> row(m);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t g = r / 16, rows = std::min<int64_t>(16, m - g * 16);
     int8_t* p1 = hq.data() + g * 2 * 16 * k + (r % 16) * k;
@@ -2967,68 +3036,29 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
       p2[i] = static_cast<int8_t>(c);
       ds += (res - c * b) * (res - c * b);
     }
-    s1[r] = a, s2[r] = b;
-    hn[r] = static_cast<float>(std::sqrt(ss) * (1 + 1e-6));
-    dn[r] = static_cast<float>(std::sqrt(ds) * (1 + 1e-6));
+    row[r] = {a, b, static_cast<float>(std::sqrt(ss) * (1 + 1e-6)),
+              static_cast<float>(std::sqrt(ds) * (1 + 1e-6))};
   }
-  // Approximate logits and their bounds, lo = l - eps and hi = l + eps, 16 vocabulary rows a
-  // vector; each row's best lower bound, then its candidates (hi >= best), the rows shared out
-  // among the threads.
-  std::vector<int32_t> acc(2 * std::min<int64_t>(m, 16) * vp);
-  std::vector<float> hi(std::min<int64_t>(m, 16) * vp);
+  // Each row's best lower bound and candidates (screen_bounds), a group of rows at a time.
   std::vector<std::vector<int64_t>> cand(m);
   std::vector<float> best(m);
-  const float* sv = st;
-  const float* en = st + vp;
-  const float* wn = st + 2 * vp;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t r0 = g * 16, rows = std::min<int64_t>(16, m - r0);
-    screen_logits(hq.data() + g * 2 * 16 * k, q8.data_ptr<int8_t>(), acc.data(), rows, vp, k);
-    at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
-      const __m512 fp = _mm512_set1_ps(static_cast<float>(k) * 0x1p-23f);
-      const __m512 margin = _mm512_set1_ps(1.f + 0x1p-16f), rel = _mm512_set1_ps(0x1p-20f);
-      const __m512 bf16_rel = _mm512_set1_ps(0x1p-7f);
-      for (int64_t r = a; r < b; ++r) {
-        const int64_t row = r0 + r;
-        const int32_t* c1 = acc.data() + r * vp;
-        const int32_t* c2 = acc.data() + (rows + r) * vp;
-        const __m512 a1 = _mm512_set1_ps(s1[row]), a2 = _mm512_set1_ps(s2[row]);
-        const __m512 h = _mm512_set1_ps(hn[row]), d = _mm512_set1_ps(dn[row]);
-        float* h_row = hi.data() + r * vp;
-        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t v = 0; v < vp; v += 16) {
-          const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
-          const __m512 l = _mm512_mul_ps(
-              _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c1 + v)), a1),
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c2 + v)), a2)),
-              _mm512_loadu_ps(sv + v));
-          const __m512 al = _mm512_abs_ps(l);
-          __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
-          eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
-          eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
-          if constexpr (kBf16) eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
-          top = _mm512_max_ps(top, _mm512_sub_ps(l, eps));
-          _mm512_storeu_ps(h_row + v, _mm512_add_ps(l, eps));
-        }
-        const float bound = _mm512_reduce_max_ps(top);
-        best[row] = bound;
-        if (!std::isfinite(bound)) continue;  // declined below
-        const __m512 bv = _mm512_set1_ps(bound);
-        for (int64_t v = 0; v < vp; v += 16)
-          for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(h_row + v), bv, _CMP_GE_OQ); hit;
-               hit &= hit - 1)
-            cand[row].push_back(v + __builtin_ctz(hit));
-      }
-    });
+    screen_bounds<kBf16>(hq.data() + g * 2 * 16 * k, q8.data_ptr<int8_t>(), st, row.data() + r0,
+                         rows, vp, k, best.data() + r0, cand.data() + r0);
   }
-  // Their blocks: past max_blocks, the full head.
-  std::vector<char> need(vp / 64, 0);
-  int64_t blocks = 0;
+  // The columns the candidates' recompute reads, in units: 16 columns (an fp32 column's
+  // lines hold its 15 neighbours'; an AMX B tile's), or a bf16 head's 64-column blocks where
+  // its GEMV is not AMX's. Past max_blocks 64-column blocks' worth, the full head.
+  const bool amx = (weight & kAmx) != 0;
+  const int64_t unit = kBf16 && !amx ? 64 : 16;
+  std::vector<char> need(vp / unit, 0);
+  int64_t units = 0;
   for (int64_t r = 0; r < m; ++r) {
     if (!std::isfinite(best[r])) return declined(x);
     for (int64_t v : cand[r])
-      if (!need[v / 64]) need[v / 64] = 1, ++blocks;
-    if (blocks > max_blocks) return declined(x);
+      if (!need[v / unit]) need[v / unit] = 1, ++units;
+    if (units * unit > max_blocks * 64) return declined(x);
   }
   const T* w = reinterpret_cast<const T*>(weight & ~(kLayout32 | kAmx));
   auto out = at::empty({m}, x.options().dtype(at::kLong));
@@ -3054,26 +3084,65 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
     });
     return bad ? declined(x) : out;
   }
-  // bf16 (AMX's sums, in the unit's order): the full path over the candidates' blocks, then
-  // each row's first maximum among them.
+  // bf16: the full path's sums over the candidates' units, then each row's first maximum
+  // among them.
   std::vector<int64_t> which;
-  for (int64_t b = 0; b < vp / 64; ++b)
-    if (need[b]) which.push_back(b);
-  std::vector<T> y(which.size() * m * 64);
-  // One block a call (a one-block packed_gemm runs on its calling thread), the blocks shared
-  // out among the threads.
-  at::parallel_for(0, static_cast<int64_t>(which.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      packed_gemm<T>(xp, w + which[i] * k * 64, nullptr, y.data() + i * m * 64, m, 64, k,
-                     (weight & kLayout32) != 0, (weight & kAmx) != 0);
-  });
-  std::vector<int64_t> slot(vp / 64, -1);
+  for (int64_t u = 0; u < vp / unit; ++u)
+    if (need[u]) which.push_back(u);
+  std::vector<T> y(which.size() * m * unit);
+  if (amx) {
+    // amx_gemv's sums, 16 columns at a time: a C tile per 16 columns, zeroed, then one
+    // TDPBF16PS per 32 K values in K order, each column's sum its own (the unit computes a C
+    // element from its A row and B column alone), so a 16-column tile alone gives the bits
+    // the full GEMV's four side by side give. Then the same one rounding to bf16.
+    at::parallel_for(0, static_cast<int64_t>(which.size()), 1, [&](int64_t i0, int64_t i1) {
+      TileConfig cfg;
+      cfg.rows[0] = cfg.rows[3] = static_cast<uint8_t>(m);
+      cfg.colsb[0] = cfg.colsb[3] = 64;
+      cfg.rows[1] = kAmxK / 2;
+      cfg.colsb[1] = 64;
+      load_tile_config(cfg);
+      alignas(64) float buf[kAmxRows * 16];
+      for (int64_t i = i0; i < i1; ++i) {
+        // the unit's first column c: block c / 64, its 32-column half ((K / 2, 32, 2)), and
+        // the half's first or second 16 columns (pairs) in each K pair's row
+        const auto unit_at = [&](int64_t u) {
+          const int64_t c = which[u] * 16;
+          return w + (c / 64) * k * 64 + (c % 64 / 32) * 32 * k + (c % 32) * 2;
+        };
+        const T* s = unit_at(i);
+        // the next unit's lines (K / 2 of them, 128 bytes apart) into L2 meanwhile, a K step's
+        // share (16) a step: the units are scattered, beyond the hardware's prefetchers
+        const char* next = i + 1 < i1 ? reinterpret_cast<const char*>(unit_at(i + 1)) : nullptr;
+        _tile_zero(3);
+        for (int64_t j = 0; j < k; j += kAmxK) {
+          if (next)
+            for (int64_t p = j / 2; p < j / 2 + kAmxK / 2; ++p) _mm_prefetch(next + p * 128, _MM_HINT_T1);
+          _tile_loadd(0, xp + j, k * 2);
+          _tile_loadd(1, s + j * 32, 128);
+          _tile_dpbf16ps(3, 0, 1);
+        }
+        _tile_stored(3, buf, 64);
+        for (int64_t r = 0; r < m * 16; ++r) y[i * m * 16 + r] = static_cast<T>(buf[r]);
+      }
+      _tile_release();
+    });
+  } else {
+    // One block a call (a one-block packed_gemm runs on its calling thread), the blocks
+    // shared out among the threads.
+    at::parallel_for(0, static_cast<int64_t>(which.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        packed_gemm<T>(xp, w + which[i] * k * 64, nullptr, y.data() + i * m * 64, m, 64, k,
+                       (weight & kLayout32) != 0, false);
+    });
+  }
+  std::vector<int64_t> slot(vp / unit, -1);
   for (size_t i = 0; i < which.size(); ++i) slot[which[i]] = static_cast<int64_t>(i);
   for (int64_t r = 0; r < m; ++r) {
     int64_t arg = -1;
     float top = 0.f;
     for (int64_t v : cand[r]) {
-      const float val = static_cast<float>(y[(slot[v / 64] * m + r) * 64 + v % 64]);
+      const float val = static_cast<float>(y[(slot[v / unit] * m + r) * unit + v % unit]);
       if (std::isnan(val)) return declined(x);
       if (arg < 0 || val > top) arg = v, top = val;
     }
@@ -3095,7 +3164,8 @@ bool screened_argmax_available() {
 // Each row's argmax of x (m, K) @ W^T, W the packed weight at `weight` (packed_linear's, no
 // bias, N = stats.size(1)): the greedy tokens, bit for bit those of packed_linear's logits,
 // through the int8 copy above (q8, stats). An empty result where the screen declines (x not
-// finite, more than max_blocks 64-column blocks to check): the caller runs the full head.
+// finite, the candidates' units past max_blocks 64-column blocks' worth): the caller runs
+// the full head.
 at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& stats,
                            int64_t weight, int64_t max_blocks) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.size(0) >= 1,

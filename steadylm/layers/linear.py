@@ -87,9 +87,9 @@ class OneDNNDenseKernel(LinearKernel):
         packed_linear's (more rows than it takes), or where the screen declines."""
         codes = getattr(self, "screen_codes", None)
         rows = x.shape[0]
-        if codes is None or x.dim() != 2 or not 0 < rows <= self.gemv_max_rows:
+        if codes is None or x.dim() != 2:
             return None
-        if rows > kernels.SCREEN_MAX_ROWS.get(x.dtype, 0):
+        if not 0 < rows <= min(self.gemv_max_rows, kernels.SCREEN_MAX_ROWS):
             return None
         return kernels.screened_argmax(x, codes, self.screen_stats, self.gemv_address)
 

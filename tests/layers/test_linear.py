@@ -347,20 +347,33 @@ def _screen_kernel(w):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, amx_gemv",
+    [(torch.float32, "on"), (torch.bfloat16, "on"), (torch.bfloat16, "off")],
+    ids=["float32", "bfloat16", "bfloat16-vector-gemv"],
+)
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_screened_greedy_tokens_are_the_full_argmax(dtype, rows):
+def test_screened_greedy_tokens_are_the_full_argmax(dtype, amx_gemv, rows, monkeypatch):
     """The tokens a greedy step takes through the int8 copy are the full logits' argmax, bit
     for bit: rows of w in pairs closer than an int8 step (x along one of them), an exact tie
     (the first index wins). The screen may decline (None: the caller computes the logits) but
-    must take most of these steps."""
+    must take most of these steps. A bf16 head's candidates are recomputed 16 columns at a
+    time on AMX's tiles, or in whole 64-column blocks by the vector GEMV (its full path with
+    STEADYLM_CPU_AMX_GEMV=off)."""
+    monkeypatch.setenv("STEADYLM_CPU_AMX_GEMV", amx_gemv)
     torch.manual_seed(0)
     v, k = 4096, 128  # 64 blocks of 64: 16 rows' candidates stay under half of them
     w = torch.randn(v, k) * 0.05
     w[1::2] = w[0::2] + 1e-4 * torch.randn(v // 2, k)  # near twins
-    w[700] = w[300]  # an exact tie: 300 must win
+    # an exact tie: 300 must win (3000 lies in another thread's share of the screen, whose
+    # candidates may reach the merge first)
+    w[3000] = w[300]
     w = w.to(dtype)
     kernel = _screen_kernel(w)
+    if amx_gemv == "off":
+        assert not kernel.gemv_address & kernels.AMX
+        if rows > kernel.gemv_max_rows:
+            pytest.skip(f"the vector GEMV takes {kernel.gemv_max_rows} rows (oneDNN above)")
     screened = 0
     for trial in range(30):
         # each row along a row of w (its twin within an int8 step of it), some noise
@@ -371,7 +384,6 @@ def test_screened_greedy_tokens_are_the_full_argmax(dtype, rows):
             x[-1] = w[300].float() * 10
         x = x.to(dtype)
         want = kernels.argmax(kernel.apply(x)).tolist()
-        # the op itself: greedy_tokens leaves bf16 steps past 4 rows to the full head
         got = kernels.screened_argmax(
             x, kernel.screen_codes, kernel.screen_stats, kernel.gemv_address
         )
@@ -393,7 +405,7 @@ def test_screen_declines_what_it_cannot_bound():
     assert kernel.greedy_tokens(x) == kernels.argmax(kernel.apply(x)).tolist()
     x[1, 3] = float("inf")
     assert kernel.greedy_tokens(x) is None
-    assert kernel.greedy_tokens(torch.randn(kernels.SCREEN_MAX_ROWS[w.dtype] + 1, 64)) is None
+    assert kernel.greedy_tokens(torch.randn(kernels.SCREEN_MAX_ROWS + 1, 64)) is None
 
 
 @needs_onednn
