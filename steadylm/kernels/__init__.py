@@ -430,9 +430,10 @@ def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | No
 # (16 columns at a time); past this share of the head the screen declines (a flat
 # distribution: little to gain).
 SCREEN_MAX_BLOCK_SHARE = 2  # a half: past it the full head measured faster
-# The most rows (sampling requests) a step screens: one group of AMX's int8 tiles. Above it
-# the rows' candidates cover most of the head (docs/benchmarks.md, twenty-fourth session).
-SCREEN_MAX_ROWS = 16
+# The most rows (sampling requests) a step screens (a bf16 head: AMX's GEMV's 16 as well,
+# its full path above them being oneDNN's). Past it the rows' candidates cover most of the
+# head on the bench model (docs/benchmarks.md, twenty-fourth session).
+SCREEN_MAX_ROWS = 64
 
 
 def screen_supported(weight: torch.Tensor, address: int | None) -> bool:

@@ -2890,30 +2890,32 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t weight, int64_t n,
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
 constexpr int64_t kScreenK = 64;  // an int8 A tile's K values (64 bytes a row)
 
-// A group of up to 16 rows' screen: hq's two parts (2, rows, k int8, k apart) . q8's codes on
-// AMX's int8 tiles, 32 columns a pass (tiles: 0-1 A, 2-3 B, 4-7 C), and from each pass's sums
-// at once each row's approximate logits and bounds (below). Per row it returns the best lower
-// bound, best[r], and every v whose upper bound reaches it, hi_v >= best[r], in ascending
-// order. A thread keeps the v whose upper bound reaches its running best (a superset); the
-// final best then filters them.
+// The screen of m rows: hq's two parts . q8's codes on AMX's int8 tiles, 32 columns a pass
+// (tiles: 0-1 A, 2-3 B, 4-7 C), the rows in groups of R (R = m up to 16, else 16 with the
+// last group's missing rows zero; a group's parts (2, R, k int8, k apart) one after the
+// other), each group of a pass reading the pass's codes from L1 after the first: q8 is
+// read once whatever m. From each group's sums at once, its rows' approximate logits and
+// bounds (below). Per row it returns the best lower bound, best[r], and every v whose upper
+// bound reaches it, hi_v >= best[r], in ascending order. A thread keeps the v whose upper
+// bound reaches its running best (a superset); the final best then filters them.
 struct ScreenRow {
   float s1, s2, h, d;  // x's two parts' scales, |h| and |d| (rounded up)
 };
 
 template <bool kBf16>
 void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const ScreenRow* row,
-                   int64_t rows, int64_t vp, int64_t k, float* best,
+                   int64_t m, int64_t R, int64_t vp, int64_t k, float* best,
                    std::vector<int64_t>* cand) {
-  const int8_t* hq2 = hq + rows * k;
   const float* sv = stats;
   const float* en = stats + vp;
   const float* wn = stats + 2 * vp;
+  const int64_t groups = (m + R - 1) / R;
   std::mutex merge;
-  std::fill_n(best, rows, -std::numeric_limits<float>::infinity());
-  std::vector<std::pair<int64_t, float>> found[16];  // (v, hi_v) from every thread
+  std::fill_n(best, m, -std::numeric_limits<float>::infinity());
+  std::vector<std::vector<std::pair<int64_t, float>>> found(m);  // (v, hi_v), every thread's
   parallel_claims(vp / 32, [&](auto&& claim) {
     TileConfig cfg;
-    for (int t = 0; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(R), cfg.colsb[t] = 64;
     cfg.rows[2] = cfg.rows[3] = kScreenK / 4;
     load_tile_config(cfg);
     const __m512 fp = _mm512_set1_ps(static_cast<float>(k) * 0x1p-23f);
@@ -2921,72 +2923,74 @@ void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const
     const __m512 bf16_rel = _mm512_set1_ps(0x1p-7f);
     alignas(64) int32_t c[2][16][32];
     alignas(64) float hv[16];
-    float top[16];
-    std::fill_n(top, 16, -std::numeric_limits<float>::infinity());
-    std::vector<std::pair<int64_t, float>> mine[16];
+    std::vector<float> top(m, -std::numeric_limits<float>::infinity());
+    std::vector<std::vector<std::pair<int64_t, float>>> mine(m);
     for (int64_t b0, b1; claim(b0, b1);)
-      for (int64_t b = b0; b < b1; ++b) {
-        const int8_t* s = q8 + b * 32 * k;  // two 16-column blocks, 16 * k bytes each
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t i = 0; i < k; i += kScreenK) {
-          _tile_loadd(0, hq + i, k);
-          _tile_loadd(1, hq2 + i, k);
-          _tile_loadd(2, s + i * 16, 64);
-          _tile_dpbssd(4, 0, 2);
-          _tile_dpbssd(6, 1, 2);
-          _tile_loadd(3, s + 16 * k + i * 16, 64);
-          _tile_dpbssd(5, 0, 3);
-          _tile_dpbssd(7, 1, 3);
-        }
-        _tile_stored(4, &c[0][0][0], 128);
-        _tile_stored(5, &c[0][0][16], 128);
-        _tile_stored(6, &c[1][0][0], 128);
-        _tile_stored(7, &c[1][0][16], 128);
-        // l = s_v (s1 h1.q_v + s2 h2.q_v); eps = (|h| |e_v| + |d| |s_v q_v| + the sums'
-        // roundings, K 2^-23 |h| (|e_v| + |s_v q_v|)) (1 + 2^-16) + 2^-20 |l|, and for bf16
-        // + 2^-7 (|l| + eps): lo = l - eps, hi = l + eps.
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 a1 = _mm512_set1_ps(row[r].s1), a2 = _mm512_set1_ps(row[r].s2);
-          const __m512 h = _mm512_set1_ps(row[r].h), d = _mm512_set1_ps(row[r].d);
-          __m512 lo_max = _mm512_set1_ps(top[r]);
-          for (int half = 0; half < 2; ++half) {
-            const int64_t v = b * 32 + half * 16;
-            const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
-            const __m512 l = _mm512_mul_ps(
-                _mm512_add_ps(
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[0][r][half * 16])), a1),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[1][r][half * 16])), a2)),
-                _mm512_loadu_ps(sv + v));
-            const __m512 al = _mm512_abs_ps(l);
-            __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
-            eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
-            eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
-            if constexpr (kBf16)
-              eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
-            const __m512 lo = _mm512_sub_ps(l, eps), hi = _mm512_add_ps(l, eps);
-            lo_max = _mm512_max_ps(lo_max, lo);
-            // hi against the running best before this pass: a superset of the final's
-            __mmask16 hit = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(top[r]), _CMP_GE_OQ);
-            if (hit) _mm512_store_ps(hv, hi);
-            for (; hit; hit &= hit - 1) {
-              const int j = __builtin_ctz(hit);
-              mine[r].emplace_back(v + j, hv[j]);
-            }
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int8_t* h1 = hq + g * 2 * R * k;
+          const int8_t* h2 = h1 + R * k;
+          const int8_t* s = q8 + b * 32 * k;  // two 16-column blocks, 16 * k bytes each
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          for (int64_t i = 0; i < k; i += kScreenK) {
+            _tile_loadd(0, h1 + i, k);
+            _tile_loadd(1, h2 + i, k);
+            _tile_loadd(2, s + i * 16, 64);
+            _tile_dpbssd(4, 0, 2);
+            _tile_dpbssd(6, 1, 2);
+            _tile_loadd(3, s + 16 * k + i * 16, 64);
+            _tile_dpbssd(5, 0, 3);
+            _tile_dpbssd(7, 1, 3);
           }
-          top[r] = _mm512_reduce_max_ps(lo_max);
+          _tile_stored(4, &c[0][0][0], 128);
+          _tile_stored(5, &c[0][0][16], 128);
+          _tile_stored(6, &c[1][0][0], 128);
+          _tile_stored(7, &c[1][0][16], 128);
+          // l = s_v (s1 h1.q_v + s2 h2.q_v); eps = (|h| |e_v| + |d| |s_v q_v| + the sums'
+          // roundings, K 2^-23 |h| (|e_v| + |s_v q_v|)) (1 + 2^-16) + 2^-20 |l|, and for
+          // bf16 + 2^-7 (|l| + eps): lo = l - eps, hi = l + eps.
+          for (int64_t j = 0, r = g * R; j < R && r < m; ++j, ++r) {
+            const __m512 a1 = _mm512_set1_ps(row[r].s1), a2 = _mm512_set1_ps(row[r].s2);
+            const __m512 h = _mm512_set1_ps(row[r].h), d = _mm512_set1_ps(row[r].d);
+            __m512 lo_max = _mm512_set1_ps(top[r]);
+            for (int half = 0; half < 2; ++half) {
+              const int64_t v = b * 32 + half * 16;
+              const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
+              const __m512 l = _mm512_mul_ps(
+                  _mm512_add_ps(
+                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[0][j][half * 16])), a1),
+                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[1][j][half * 16])), a2)),
+                  _mm512_loadu_ps(sv + v));
+              const __m512 al = _mm512_abs_ps(l);
+              __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
+              eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
+              eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
+              if constexpr (kBf16)
+                eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
+              const __m512 lo = _mm512_sub_ps(l, eps), hi = _mm512_add_ps(l, eps);
+              lo_max = _mm512_max_ps(lo_max, lo);
+              // hi against the running best before this pass: a superset of the final's
+              __mmask16 hit = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(top[r]), _CMP_GE_OQ);
+              if (hit) _mm512_store_ps(hv, hi);
+              for (; hit; hit &= hit - 1) {
+                const int bit = __builtin_ctz(hit);
+                mine[r].emplace_back(v + bit, hv[bit]);
+              }
+            }
+            top[r] = _mm512_reduce_max_ps(lo_max);
+          }
         }
-      }
     _tile_release();
     std::lock_guard<std::mutex> lock(merge);
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < m; ++r) {
       best[r] = std::max(best[r], top[r]);
       found[r].insert(found[r].end(), mine[r].begin(), mine[r].end());
     }
   });
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < m; ++r) {
     cand[r].clear();
     for (const auto& [v, hi] : found[r])
       if (hi >= best[r]) cand[r].push_back(v);
@@ -3003,50 +3007,57 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
   const T* xp = x.data_ptr<T>();
   const float* st = stats.data_ptr<float>();
   constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value;
+  // bf16 past AMX's rows: the full head is oneDNN's matmul, whose sums the screen cannot
+  // reproduce.
+  if (kBf16 && (weight & kAmx) && m > kAmxRows) return declined(x);
   // Per row: h ~ s1 h1 + s2 h2 (h2 the residual's codes, so |d| = |h - s1 h1 - s2 h2| is ~1/254
-  // of one part's), |h| and |d| (rounded up); the parts as int8 rows, 16 rows a group.
-  const int64_t groups = (m + 15) / 16;
-  std::vector<int8_t> hq(groups * 2 * 16 * k);
+  // of one part's), |h| and |d| (rounded up); the parts as int8 rows, in screen_bounds' groups
+  // of R rows (the last group's missing rows zero).
+  const int64_t R = std::min<int64_t>(m, 16), groups = (m + R - 1) / R;
+  std::vector<int8_t> hq(groups * 2 * R * k, 0);
   std::vector<ScreenRow> row(m);
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t g = r / 16, rows = std::min<int64_t>(16, m - g * 16);
-    int8_t* p1 = hq.data() + g * 2 * 16 * k + (r % 16) * k;
-    int8_t* p2 = p1 + rows * k;
-    double amax = 0, ss = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const double v = static_cast<float>(xp[r * k + i]);
-      amax = std::max(amax, std::fabs(v));
-      ss += v * v;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* p1 = hq.data() + (r / R) * 2 * R * k + (r % R) * k;
+      int8_t* p2 = p1 + R * k;
+      double amax = 0, ss = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double v = static_cast<float>(xp[r * k + i]);
+        amax = std::max(amax, std::fabs(v));
+        ss += v * v;
+      }
+      if (!std::isfinite(amax) || !std::isfinite(ss)) {
+        finite = false;
+        continue;
+      }
+      const float a = amax > 0 ? static_cast<float>(amax / 127.0) : 1.f;
+      double rmax = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double v = static_cast<float>(xp[r * k + i]);
+        const double c = std::clamp(std::nearbyint(v / a), -127.0, 127.0);
+        p1[i] = static_cast<int8_t>(c);
+        rmax = std::max(rmax, std::fabs(v - c * a));
+      }
+      const float b = rmax > 0 ? static_cast<float>(rmax / 127.0) : 1.f;
+      double ds = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double v = static_cast<float>(xp[r * k + i]);
+        const double res = v - p1[i] * static_cast<double>(a);
+        const double c = std::clamp(std::nearbyint(res / b), -127.0, 127.0);
+        p2[i] = static_cast<int8_t>(c);
+        ds += (res - c * b) * (res - c * b);
+      }
+      row[r] = {a, b, static_cast<float>(std::sqrt(ss) * (1 + 1e-6)),
+                static_cast<float>(std::sqrt(ds) * (1 + 1e-6))};
     }
-    if (!std::isfinite(amax) || !std::isfinite(ss)) return declined(x);
-    const float a = amax > 0 ? static_cast<float>(amax / 127.0) : 1.f;
-    double rmax = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const double v = static_cast<float>(xp[r * k + i]);
-      const double c = std::clamp(std::nearbyint(v / a), -127.0, 127.0);
-      p1[i] = static_cast<int8_t>(c);
-      rmax = std::max(rmax, std::fabs(v - c * a));
-    }
-    const float b = rmax > 0 ? static_cast<float>(rmax / 127.0) : 1.f;
-    double ds = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const double v = static_cast<float>(xp[r * k + i]);
-      const double res = v - p1[i] * static_cast<double>(a);
-      const double c = std::clamp(std::nearbyint(res / b), -127.0, 127.0);
-      p2[i] = static_cast<int8_t>(c);
-      ds += (res - c * b) * (res - c * b);
-    }
-    row[r] = {a, b, static_cast<float>(std::sqrt(ss) * (1 + 1e-6)),
-              static_cast<float>(std::sqrt(ds) * (1 + 1e-6))};
-  }
-  // Each row's best lower bound and candidates (screen_bounds), a group of rows at a time.
+  });
+  if (!finite) return declined(x);
+  // Each row's best lower bound and candidates (screen_bounds).
   std::vector<std::vector<int64_t>> cand(m);
   std::vector<float> best(m);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t r0 = g * 16, rows = std::min<int64_t>(16, m - r0);
-    screen_bounds<kBf16>(hq.data() + g * 2 * 16 * k, q8.data_ptr<int8_t>(), st, row.data() + r0,
-                         rows, vp, k, best.data() + r0, cand.data() + r0);
-  }
+  screen_bounds<kBf16>(hq.data(), q8.data_ptr<int8_t>(), st, row.data(), m, R, vp, k,
+                       best.data(), cand.data());
   // The columns the candidates' recompute reads, in units: 16 columns (an fp32 column's
   // lines hold its 15 neighbours'; an AMX B tile's), or a bf16 head's 64-column blocks where
   // its GEMV is not AMX's. Past max_blocks 64-column blocks' worth, the full head.
