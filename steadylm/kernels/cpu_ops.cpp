@@ -2922,11 +2922,26 @@ void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const
     const __m512 margin = _mm512_set1_ps(1.f + 0x1p-16f), rel = _mm512_set1_ps(0x1p-20f);
     const __m512 bf16_rel = _mm512_set1_ps(0x1p-7f);
     alignas(64) int32_t c[2][16][32];
-    alignas(64) float hv[16];
-    std::vector<float> top(m, -std::numeric_limits<float>::infinity());
+    alignas(64) float hv[16], ew[32], qw[32];
+    // Per row: the running maximum of lo lane by lane, and the threshold its candidates are
+    // kept against, the lanes' maximum as of a few passes ago (below the final best).
+    std::vector<__m512> lo_run(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    std::vector<float> thr(m, -std::numeric_limits<float>::infinity());
     std::vector<std::vector<std::pair<int64_t, float>>> mine(m);
+    int64_t passes = 0;
     for (int64_t b0, b1; claim(b0, b1);)
-      for (int64_t b = b0; b < b1; ++b)
+      for (int64_t b = b0; b < b1; ++b, ++passes) {
+        // The pass's columns' weights of |h| and |d| in eps, the margin in them (each 2^-16
+        // against the few 2^-24 roundings of the products and sums it covers):
+        // eps = h ew_v + d qw_v + 2^-20 |l|, ew_v = (|e_v| + K 2^-23 (|e_v| + |s_v q_v|))
+        // (1 + 2^-16), qw_v = |s_v q_v| (1 + 2^-16).
+        for (int half = 0; half < 2; ++half) {
+          const int64_t v = b * 32 + half * 16;
+          const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
+          _mm512_store_ps(ew + half * 16,
+                          _mm512_mul_ps(_mm512_fmadd_ps(fp, _mm512_add_ps(q, e), e), margin));
+          _mm512_store_ps(qw + half * 16, _mm512_mul_ps(q, margin));
+        }
         for (int64_t g = 0; g < groups; ++g) {
           const int8_t* h1 = hq + g * 2 * R * k;
           const int8_t* h2 = h1 + R * k;
@@ -2949,44 +2964,44 @@ void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const
           _tile_stored(5, &c[0][0][16], 128);
           _tile_stored(6, &c[1][0][0], 128);
           _tile_stored(7, &c[1][0][16], 128);
-          // l = s_v (s1 h1.q_v + s2 h2.q_v); eps = (|h| |e_v| + |d| |s_v q_v| + the sums'
-          // roundings, K 2^-23 |h| (|e_v| + |s_v q_v|)) (1 + 2^-16) + 2^-20 |l|, and for
-          // bf16 + 2^-7 (|l| + eps): lo = l - eps, hi = l + eps.
+          // l = (s1 h1.q_v + s2 h2.q_v) s_v, and for bf16 eps + 2^-7 (|l| + eps):
+          // lo = l - eps, hi = l + eps.
           for (int64_t j = 0, r = g * R; j < R && r < m; ++j, ++r) {
             const __m512 a1 = _mm512_set1_ps(row[r].s1), a2 = _mm512_set1_ps(row[r].s2);
             const __m512 h = _mm512_set1_ps(row[r].h), d = _mm512_set1_ps(row[r].d);
-            __m512 lo_max = _mm512_set1_ps(top[r]);
+            const __m512 th = _mm512_set1_ps(thr[r]);
+            __m512 lo_max = lo_run[r];
             for (int half = 0; half < 2; ++half) {
               const int64_t v = b * 32 + half * 16;
-              const __m512 e = _mm512_loadu_ps(en + v), q = _mm512_loadu_ps(wn + v);
               const __m512 l = _mm512_mul_ps(
-                  _mm512_add_ps(
-                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[0][j][half * 16])), a1),
-                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[1][j][half * 16])), a2)),
+                  _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[0][j][half * 16])), a1,
+                                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(
+                                                    &c[1][j][half * 16])),
+                                                a2)),
                   _mm512_loadu_ps(sv + v));
               const __m512 al = _mm512_abs_ps(l);
-              __m512 eps = _mm512_add_ps(_mm512_mul_ps(h, e), _mm512_mul_ps(d, q));
-              eps = _mm512_add_ps(eps, _mm512_mul_ps(_mm512_mul_ps(fp, h), _mm512_add_ps(q, e)));
-              eps = _mm512_add_ps(_mm512_mul_ps(eps, margin), _mm512_mul_ps(rel, al));
-              if constexpr (kBf16)
-                eps = _mm512_add_ps(eps, _mm512_mul_ps(bf16_rel, _mm512_add_ps(al, eps)));
-              const __m512 lo = _mm512_sub_ps(l, eps), hi = _mm512_add_ps(l, eps);
-              lo_max = _mm512_max_ps(lo_max, lo);
-              // hi against the running best before this pass: a superset of the final's
-              __mmask16 hit = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(top[r]), _CMP_GE_OQ);
+              __m512 eps = _mm512_fmadd_ps(h, _mm512_load_ps(ew + half * 16),
+                                           _mm512_mul_ps(d, _mm512_load_ps(qw + half * 16)));
+              eps = _mm512_fmadd_ps(rel, al, eps);
+              if constexpr (kBf16) eps = _mm512_fmadd_ps(bf16_rel, _mm512_add_ps(al, eps), eps);
+              const __m512 hi = _mm512_add_ps(l, eps);
+              lo_max = _mm512_max_ps(lo_max, _mm512_sub_ps(l, eps));
+              __mmask16 hit = _mm512_cmp_ps_mask(hi, th, _CMP_GE_OQ);
               if (hit) _mm512_store_ps(hv, hi);
               for (; hit; hit &= hit - 1) {
                 const int bit = __builtin_ctz(hit);
                 mine[r].emplace_back(v + bit, hv[bit]);
               }
             }
-            top[r] = _mm512_reduce_max_ps(lo_max);
+            lo_run[r] = lo_max;
+            if (passes % 8 == 0) thr[r] = _mm512_reduce_max_ps(lo_max);
           }
         }
+      }
     _tile_release();
     std::lock_guard<std::mutex> lock(merge);
     for (int64_t r = 0; r < m; ++r) {
-      best[r] = std::max(best[r], top[r]);
+      best[r] = std::max(best[r], _mm512_reduce_max_ps(lo_run[r]));
       found[r].insert(found[r].end(), mine[r].begin(), mine[r].end());
     }
   });
