@@ -3013,6 +3013,20 @@ void screen_bounds(const int8_t* hq, const int8_t* q8, const float* stats, const
   }
 }
 
+// The first maximum among a row's candidates (ascending) by value(v): the full logits'
+// argmax; -1 where a value is NaN (the caller declines).
+template <typename F>
+int64_t first_max(const std::vector<int64_t>& cand, F&& value) {
+  int64_t arg = -1;
+  float top = 0.f;
+  for (int64_t v : cand) {
+    const float val = value(v);
+    if (std::isnan(val)) return -1;
+    if (arg < 0 || val > top) arg = v, top = val;
+  }
+  return arg;
+}
+
 inline at::Tensor declined(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kLong)); }
 
 template <typename T>
@@ -3096,16 +3110,13 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
     std::atomic<bool> bad{false};
     at::parallel_for(0, m, 1, [&](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
-        int64_t arg = -1;
-        float top = 0.f;
-        for (int64_t v : cand[r]) {
+        op[r] = first_max(cand[r], [&](int64_t v) {
           const float* col = w + (v / 64) * k * 64 + v % 64;
           float val = 0.f;
           for (int64_t i = 0; i < k; ++i) val = __builtin_fmaf(xp[r * k + i], col[i * 64], val);
-          if (std::isnan(val)) bad = true;
-          if (arg < 0 || val > top) arg = v, top = val;
-        }
-        op[r] = arg;
+          return val;
+        });
+        if (op[r] < 0) bad = true;
       }
     });
     return bad ? declined(x) : out;
@@ -3165,14 +3176,10 @@ at::Tensor screened_argmax_impl(const at::Tensor& x, const at::Tensor& q8, const
   std::vector<int64_t> slot(vp / unit, -1);
   for (size_t i = 0; i < which.size(); ++i) slot[which[i]] = static_cast<int64_t>(i);
   for (int64_t r = 0; r < m; ++r) {
-    int64_t arg = -1;
-    float top = 0.f;
-    for (int64_t v : cand[r]) {
-      const float val = static_cast<float>(y[(slot[v / unit] * m + r) * unit + v % unit]);
-      if (std::isnan(val)) return declined(x);
-      if (arg < 0 || val > top) arg = v, top = val;
-    }
-    op[r] = arg;
+    op[r] = first_max(cand[r], [&](int64_t v) {
+      return static_cast<float>(y[(slot[v / unit] * m + r) * unit + v % unit]);
+    });
+    if (op[r] < 0) return declined(x);
   }
   return out;
 }
