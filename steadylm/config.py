@@ -122,12 +122,14 @@ class ModelConfig:
         """Read a model directory or a bare config.json without loading any weight."""
         from transformers import AutoConfig
 
+        from steadylm import gguf_file
+
+        check_model_path(path)
+        gguf_path = gguf_file.find_gguf(path)
+        if gguf_path is not None:
+            hf_config, dtype = gguf_file.load_hf_config(gguf_path)
+            return dataclasses.replace(cls.from_hf(hf_config), torch_dtype=dtype)
         cfg_file = path if path.endswith(".json") else os.path.join(path, "config.json")
-        if not os.path.exists(path):
-            raise ModelLoadError(
-                f"model path {path!r} does not exist; steadylm never downloads (a hub id is not "
-                "a path): download the model first and pass its local directory"
-            )
         if not os.path.isfile(cfg_file):
             raise ModelLoadError(f"{cfg_file} not found: a model directory needs a config.json")
         try:
@@ -140,6 +142,15 @@ class ModelConfig:
             with open(gen_file) as f:
                 gen = json.load(f)
         return cls.from_hf(hf_config, gen)
+
+
+def check_model_path(path: str) -> None:
+    """A model path that does not exist is the user's error, said the same way everywhere."""
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"model path {path!r} does not exist; steadylm never downloads (a hub id is not "
+            "a path): download the model first and pass its local directory or .gguf file"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Weights from a local HF directory (single or sharded safetensors) into a registered model.
+"""Weights from a local HF directory (single or sharded safetensors) or a GGUF file into a
+registered model.
 
 Every error names the file and the tensor: a missing shard, a missing tensor, a shape mismatch.
 """
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from steadylm import platform
+from steadylm import gguf_file, platform
 from steadylm.config import ModelConfig
 from steadylm.errors import ModelLoadError
 from steadylm.layers.shard import CheckpointTensor
@@ -106,18 +107,39 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
 
 
 def load_model(
-    model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
+    """The model of a safetensors directory or a GGUF file (or a directory holding one)."""
     model = create_model(cfg, dtype, device)
-    load_weights(model, safetensors_files(model_dir), cfg)
+    gguf_path = gguf_file.find_gguf(model_path)
+    if gguf_path is not None:
+        load_weights(model, gguf_file.iter_tensors(gguf_path, model), cfg, [gguf_path])
+    else:
+        files = safetensors_files(model_path)
+        load_weights(model, iter_checkpoint(files), cfg, files)
     return model
 
 
-def load_weights(model: nn.Module, files: list[str], cfg: ModelConfig) -> None:
+def checkpoint_weight_bytes(model_path: str, dtype: torch.dtype) -> int:
+    """Bytes the loaded (dequantized, for GGUF) weights take, from the file headers alone."""
+    gguf_path = gguf_file.find_gguf(model_path)
+    if gguf_path is not None:
+        return gguf_file.weight_bytes(gguf_path, dtype)
+    return weight_bytes_from_files(safetensors_files(model_path), dtype)
+
+
+def load_weights(
+    model: nn.Module,
+    tensors: Iterator[tuple[str, str, CheckpointTensor]],
+    cfg: ModelConfig,
+    files: list[str],
+) -> None:
+    """Hand every (path, HF name, lazy tensor) to its parameter's loader, then check that
+    nothing is missing and let the layers build their kernels."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_loads(model, params, cfg)
     loaded: set[tuple[str, object]] = set()
-    for path, name, tensor in iter_checkpoint(files):
+    for path, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if cfg.tie_word_embeddings and name == "lm_head.weight":

@@ -13,8 +13,16 @@ logger = logging.getLogger("steadylm")
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a model directory or GGUF file (its metadata holds one)."""
     from transformers import AutoTokenizer
 
+    from steadylm import gguf_file
+    from steadylm.config import check_model_path
+
+    check_model_path(path)
+    gguf_path = gguf_file.find_gguf(path)
+    if gguf_path is not None:
+        return gguf_file.load_tokenizer(gguf_path)
     if not any(
         os.path.isfile(os.path.join(path, f))
         for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

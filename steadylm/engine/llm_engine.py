@@ -135,7 +135,7 @@ class LLMEngine:
     def from_pretrained(
         cls, model_dir: str, config: EngineConfig | None = None, tokenizer: Any = None
     ) -> LLMEngine:
-        from steadylm.loader import load_model, safetensors_files, weight_bytes_from_files
+        from steadylm.loader import checkpoint_weight_bytes, load_model
         from steadylm.memory import awq_layout, weight_bytes_from_config
 
         config = config or EngineConfig()
@@ -145,13 +145,12 @@ class LLMEngine:
         if device.type == "cpu":
             platform.tune_cpu_allocator()  # before loading: the weights are allocated too
             kernels.status()  # built (once per machine) before the workers would race to
-        files = safetensors_files(model_dir)
         if mc.quantization or config.tp > 1:  # per rank / the repacked int4 layout
             size = torch.tensor([], dtype=dtype).element_size()
             layout = awq_layout(device.type)
             weights = weight_bytes_from_config(mc, size, config.tp, layout=layout)
         else:
-            weights = weight_bytes_from_files(files, dtype)
+            weights = checkpoint_weight_bytes(model_dir, dtype)
         # The LM head's int8 copy for greedy steps, where the CPU model will keep one.
         weights += kernels.planned_screen_bytes(
             mc.vocab_size, mc.hidden_size, dtype, device, mc.tie_word_embeddings, config.tp

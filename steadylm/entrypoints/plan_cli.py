@@ -33,10 +33,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="print the memory plan for a model on a GPU (no GPU or weights needed)",
-        description="MODEL is a model directory, a config.json, or a catalog name: "
+        description="MODEL is a model directory, a .gguf file, a config.json, or a catalog name: "
         + ", ".join(catalog.model_names()),
     )
-    p.add_argument("model", help="model directory, config.json path, or catalog name")
+    p.add_argument("model", help="model directory, .gguf file, config.json path, or catalog name")
     p.add_argument(
         "--gpu",
         default=None,
@@ -85,7 +85,7 @@ def parse_size(text: str) -> int:
 
 def resolve_model(arg: str) -> tuple[ModelConfig, str | None]:
     """-> (config, model dir with weights or None)."""
-    if os.path.isdir(arg):
+    if os.path.isdir(arg) or arg.endswith(".gguf"):
         return ModelConfig.from_path(arg), arg
     if os.path.isfile(arg):
         return ModelConfig.from_path(arg), None
@@ -155,10 +155,10 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         layout = awq_layout("cpu" if args.gpu in (None, "cpu") and not args.gpu_memory else "cuda")
         weights = weight_bytes_from_config(mc, DTYPE_BYTES[dtype], args.tp, layout=layout)
     elif model_dir is not None:
-        from steadylm.loader import safetensors_files, weight_bytes_from_files
+        from steadylm.loader import checkpoint_weight_bytes
 
         try:
-            weights = weight_bytes_from_files(safetensors_files(model_dir), _torch_dtype(dtype))
+            weights = checkpoint_weight_bytes(model_dir, _torch_dtype(dtype))
         except Exception:  # a config-only directory: count from the architecture
             weights = None
     plan = plan_memory(

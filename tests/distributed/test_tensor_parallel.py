@@ -295,3 +295,20 @@ def test_forward_fault_on_rank0_is_fatal_and_clean(model_dirs):
         engine.shutdown()
     # The dead group is torn down too: the next tp engine in this process starts cleanly.
     assert not torch.distributed.is_initialized() and parallel.world_size() == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_gguf_equals_transformers(arch, tmp_path):
+    """Each rank narrows the quantized tensors to its rows (llama.cpp's permuted q / k rows
+    taken by whole heads) and columns before dequantizing: the tokens are transformers'."""
+    pytest.importorskip("gguf", reason="the gguf package is not installed")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    from tests.gguf_util import hf_from_gguf, write_gguf
+
+    hf = make_hf_model(arch, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf, path, arch, ["Q4_K", "Q8_0", "Q6_K", "Q4_1", "F16"])
+    ref = hf_from_gguf(path)
+    engine = tp_engine(path, max_prefill_token_num=5)
+    assert_exact_plan(engine)
+    assert generate(engine) == [hf_greedy(ref, p, 24) for p in PROMPTS]
