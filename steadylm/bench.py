@@ -16,8 +16,11 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from typing import Any
+
+from steadylm.errors import ConfigError
 
 WORKLOADS = {  # name -> list of (num_prompts, input_len, output_len)
     "W1": [(16, 256, 128)],
@@ -105,12 +108,8 @@ def run_offline(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    shapes = _shapes(args)
     engine = LLMEngine.from_pretrained(args.model, engine_config_from_args(args))
-    shapes = (
-        WORKLOADS[args.workload]
-        if args.workload
-        else [(args.num_prompts, args.input_len, args.output_len)]
-    )
     results = []
     try:
         for n, i, o in shapes:
@@ -126,12 +125,34 @@ def run_offline(args) -> dict:
     return {"engine": "steadylm", "mode": "offline", "results": dict(results)}
 
 
+LENGTH_DEFAULTS = {"num_prompts": 16, "input_len": 256, "output_len": 128}
+
+
+def _shapes(args) -> list[tuple[int, int, int]]:
+    """The workload's (prompts, input, output) shapes; a named workload fixes all three, so
+    setting one as well is an error, not a flag silently ignored."""
+    given = [k for k in LENGTH_DEFAULTS if getattr(args, k) is not None]
+    if args.workload:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ConfigError(
+                f"--workload {args.workload} fixes the prompt count and lengths "
+                f"({', '.join(f'{n} x {i} -> {o}' for n, i, o in WORKLOADS[args.workload])}); "
+                f"drop {flags} or --workload",
+                param="workload",
+            )
+        return WORKLOADS[args.workload]
+    n, i, o = (getattr(args, k) or d for k, d in LENGTH_DEFAULTS.items())
+    return [(n, i, o)]
+
+
 async def _one_request(client, url: str, body: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     first, last, gaps, n_out = None, None, [], 0
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            return {"error": f"HTTP {resp.status_code}"}
+            detail = (await resp.aread()).decode(errors="replace")[:300]
+            return {"error": f"HTTP {resp.status_code}: {detail}"}
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -182,6 +203,9 @@ async def _serve_once(args, prompts: list[list[int]]) -> dict[str, float]:
         res = await asyncio.gather(*(fire(client, p, d) for p, d in zip(prompts, delays)))
     elapsed = time.perf_counter() - t0
     ok = [r for r in res if "error" not in r]
+    errors = [r["error"] for r in res if "error" in r]
+    if not ok:  # nothing to time: the figures would be medians of nothing
+        return {"completed": 0, "failed": len(res), "first_error": errors[0]}
     out_tokens = sum(r["output_tokens"] for r in ok)
     tpot = [
         (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1
@@ -198,6 +222,7 @@ async def _serve_once(args, prompts: list[list[int]]) -> dict[str, float]:
         "itl_ms_median": 1000 * statistics.median(itl) if itl else 0.0,
         "e2e_ms_median": 1000 * statistics.median(r["latency"] for r in ok),
         "preemptions": _preemptions(args.base_url) - preempt0,
+        **({"first_error": errors[0]} if errors else {}),
     }
 
 
@@ -220,7 +245,14 @@ def run_serve(args) -> dict:
 
     models = httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"]
     args.served_model_name = models[0]["id"]
-    vocab = args.vocab_size
+    # The server's vocabulary (steadylm's /v1/models says it; other servers: --vocab-size),
+    # so every prompt token is one the model has.
+    vocab = args.vocab_size or models[0].get("vocab_size")
+    if not vocab:
+        raise ConfigError(
+            f"{args.base_url}/v1/models does not give the vocabulary size: pass --vocab-size",
+            param="vocab_size",
+        )
     runs = []
     for r in range(args.runs):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=r)
@@ -229,9 +261,25 @@ def run_serve(args) -> dict:
         f"{args.num_prompts} x {args.input_len} -> {args.output_len}, concurrency "
         f"{args.concurrency or 'all'}, rate {args.request_rate or 'inf'}"
     )
-    summary = summarize(runs)
-    print_table(f"steadylm serving ({args.base_url})", [(name, summary)])
-    return {"engine": "steadylm", "mode": "serve", "results": {name: summary}}
+    failed = [run for run in runs if run["failed"]]
+    for run in failed:
+        print(
+            f"{run['failed']} of {run['failed'] + run['completed']} requests failed; the first: "
+            f"{run['first_error']}",
+            file=sys.stderr,
+        )
+    timed = [
+        {k: v for k, v in run.items() if k != "first_error"} for run in runs if run["completed"]
+    ]
+    summary = summarize(timed) if timed else {}
+    if timed:
+        print_table(f"steadylm serving ({args.base_url})", [(name, summary)])
+    return {
+        "engine": "steadylm",
+        "mode": "serve",
+        "results": {name: summary},
+        "failed_requests": sum(run["failed"] for run in runs),
+    }
 
 
 def add_parser(sub, add_engine_flags) -> None:
@@ -252,20 +300,32 @@ def add_parser(sub, add_engine_flags) -> None:
     srv.add_argument("--base-url", default="http://127.0.0.1:23333")
     srv.add_argument("--concurrency", type=int, default=None)
     srv.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson)")
-    srv.add_argument("--vocab-size", type=int, default=32000)
+    srv.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn below this (default: the server's vocabulary)",
+    )
     srv.add_argument("--seed", type=int, default=0)
     for q in (off, srv):
-        q.add_argument("--num-prompts", type=int, default=16)
-        q.add_argument("--input-len", type=int, default=256)
-        q.add_argument("--output-len", type=int, default=128)
+        for key, default in LENGTH_DEFAULTS.items():
+            q.add_argument(
+                "--" + key.replace("_", "-"),
+                type=int,
+                default=None,
+                help=f"default {default}; a named --workload sets its own",
+            )
         q.add_argument("--runs", type=int, default=3)
         q.add_argument("--json", default=None, help="write the results here")
     add_engine_flags(off)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_mode == "serve":
+        for key, default in LENGTH_DEFAULTS.items():  # no named workloads when serving
+            setattr(args, key, getattr(args, key) or default)
     result = run_offline(args) if args.bench_mode == "offline" else run_serve(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
+    return 1 if result.get("failed_requests") else 0

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 
+from steadylm.config import check_model_path
 from steadylm.entrypoints import serve_compat
 from steadylm.errors import ConfigError
 
@@ -36,7 +37,11 @@ def add_parser(sub, add_engine_flags) -> None:
         description="LMDeploy's `api_server` flags and vLLM's spellings of them are accepted; "
         "docs/lmdeploy_compat.md gives each one's outcome.",
     )
-    p.add_argument("model", nargs="?", help="a local HF model directory (nothing is downloaded)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="a local HF model directory or .gguf file (nothing is downloaded)",
+    )
     p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same, vLLM's spelling")
     _add_server_flags(p)
     _add_lmdeploy_server_flags(p)
@@ -188,13 +193,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"two models given ({args.model!r} and --model {args.model_flag!r})")
     args.model = args.model or args.model_flag
     if not args.model:
-        raise ConfigError("a model directory is required: steadylm serve MODEL_DIR")
-    if not os.path.isdir(args.model):
+        raise ConfigError("a model is required: steadylm serve MODEL_DIR (or MODEL.gguf)")
+    if not (os.path.isdir(args.model) or args.model.endswith(".gguf")):
         raise ConfigError(
             f"model path {args.model!r} does not exist; steadylm never downloads: pass a local "
-            "HF model directory (download it first, e.g. with `huggingface-cli download`)",
+            "HF model directory or .gguf file (download it first, e.g. with "
+            "`huggingface-cli download`)",
             param="model",
         )
+    check_model_path(args.model)
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise ConfigError(
             f"--chat-template {args.chat_template!r} is not a file: steadylm takes a Jinja "

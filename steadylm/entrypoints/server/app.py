@@ -212,6 +212,8 @@ def build_app(state: ServerState) -> FastAPI:
                     "created": state.created,
                     "owned_by": "steadylm",
                     "max_model_len": state.engine.session_len,
+                    # steadylm's: the token ids a client may send (bench serve draws from it)
+                    "vocab_size": state.engine.model_config.vocab_size,
                 }
             ],
         }
