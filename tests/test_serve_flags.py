@@ -349,8 +349,8 @@ def test_a_hub_id_fails_fast_and_downloads_nothing():
         assert out.returncode == 2
         assert out.stderr == (
             "error: model path 'some-org/some-model' does not exist; steadylm never downloads: "
-            "pass a local HF model directory (download it first, e.g. with `huggingface-cli "
-            "download`)\n"
+            "pass a local HF model directory or .gguf file (download it first, e.g. with "
+            "`huggingface-cli download`)\n"
         )
 
 

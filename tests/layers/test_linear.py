@@ -360,6 +360,7 @@ def test_screened_greedy_tokens_are_the_full_argmax(dtype, amx_gemv, rows, monke
     must take most of these steps. A bf16 head's candidates are recomputed 16 columns at a
     time on AMX's tiles, or in whole 64-column blocks by the vector GEMV (its full path with
     STEADYLM_CPU_AMX_GEMV=off)."""
+    _skip_without_onednn(dtype)  # an AVX2 CPU has no oneDNN bf16 linear to screen
     monkeypatch.setenv("STEADYLM_CPU_AMX_GEMV", amx_gemv)
     torch.manual_seed(0)
     v, k = 4096, 128  # 64 blocks of 64: 16 rows' candidates stay under half of them
