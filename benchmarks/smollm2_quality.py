@@ -27,7 +27,7 @@ import tempfile
 
 import torch
 
-from steadylm import catalog
+from steadylm import catalog, gguf_file
 from steadylm.config import EngineConfig
 from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import SamplingParams
@@ -91,6 +91,7 @@ def make_awq_dir(gguf_path: str, work: str) -> str:
     save_file(state, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = gguf_file.load_hf_config(gguf_path)[0].architectures
     with open(os.path.join(dense, "config.json"), "w") as out:
         json.dump(config, out)
     script = os.path.join(HERE, "make_awq_model.py")

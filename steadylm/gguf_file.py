@@ -11,7 +11,12 @@ rotary order; they are permuted back here, as transformers does.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from steadylm import platform
 from steadylm.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+STEADYLM_META = "steadylm_gguf.json"  # what the cache folder holds beside the HF files
 
 # general.architecture -> (HF model_type, architectures entry). llama.cpp writes Mistral (and
 # every Llama-shaped model) as "llama"; transformers tells Mistral apart by general.name.
@@ -110,8 +119,61 @@ def check_file(path: str) -> str:
     return arch
 
 
+def _metadata_cache(path: str) -> str:
+    """This file's folder in the cache: keyed by its real path, size and modification time,
+    and transformers' version (which converts the tokenizer)."""
+    import transformers
+
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return os.path.join(platform.cache_dir(), "gguf", digest)
+
+
+def _write_cache(path: str, config: Any, dtype: str, tokenizer: Any | None) -> None:
+    """Save the converted config (and tokenizer) where the next start finds them; written
+    to a temporary folder and renamed, so a reader never sees half of it. A cache that
+    cannot be written costs only the next start's time."""
+    final = _metadata_cache(path)
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(final))
+        config.to_json_file(os.path.join(tmp, "config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, STEADYLM_META), "w") as f:
+            json.dump({"torch_dtype": dtype, "tokenizer": tokenizer is not None}, f)
+        if os.path.isdir(final):  # the other half (tokenizer or config) is already there
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as exc:
+        logger.info("GGUF metadata cache not written (%s): the next start converts again", exc)
+
+
+def _cached_meta(path: str) -> tuple[str, dict] | None:
+    folder = _metadata_cache(path)
+    try:
+        with open(os.path.join(folder, STEADYLM_META)) as f:
+            return folder, json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def load_hf_config(path: str) -> tuple[Any, str]:
-    """(HF config, checkpoint dtype name) of a GGUF file, through transformers."""
+    """(HF config, checkpoint dtype name) of a GGUF file, through transformers (converted
+    once per file, then read from the cache)."""
+    from transformers import AutoConfig
+
+    cached = _cached_meta(path)
+    if cached is not None:
+        folder, meta = cached
+        return AutoConfig.from_pretrained(folder), meta["torch_dtype"]
+    hf, dtype = _convert_config(path)
+    _write_cache(path, hf, dtype, None)
+    return hf, dtype
+
+
+def _convert_config(path: str) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     arch = check_file(path)
@@ -149,14 +211,21 @@ def _checkpoint_dtype(r: Any) -> str:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The file's tokenizer and chat template, as transformers converts them."""
+    """The file's tokenizer and chat template, as transformers converts them (once per file,
+    then from the cache)."""
     from transformers import AutoTokenizer
 
+    cached = _cached_meta(path)
+    if cached is not None and cached[1].get("tokenizer"):
+        return AutoTokenizer.from_pretrained(cached[0])
     check_file(path)
     try:
-        return AutoTokenizer.from_pretrained(**_hf_args(path))
+        tokenizer = AutoTokenizer.from_pretrained(**_hf_args(path))
     except (ValueError, KeyError, OSError, TypeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    config, dtype = load_hf_config(path)
+    _write_cache(path, config, dtype, tokenizer)
+    return tokenizer
 
 
 class GGUFSlice:

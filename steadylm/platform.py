@@ -18,6 +18,9 @@ process settings that decide speed there. Environment variables are read here an
   (steadylm/kernels/triton_ops.py: RMSNorm, SiLU-and-multiply, rotary).
 - `STEADYLM_ATTENTION_BACKEND`: `auto` (default: Triton on CUDA where triton imports, else the
   torch reference), `torch` or `triton` (vLLM users know it as `VLLM_ATTENTION_BACKEND`).
+- `STEADYLM_CACHE_DIR` (default `$XDG_CACHE_HOME/steadylm`, else `~/.cache/steadylm`): what
+  steadylm derives once per file and reuses, such as a GGUF file's converted tokenizer and
+  config (steadylm/gguf_file.py); see `cache_dir`.
 - `TRITON_INTERPRET=1` (Triton's own): Triton kernels run on CPU tensors in Triton's
   interpreter; the tests use it to check every kernel against its torch reference.
 """
@@ -425,3 +428,13 @@ def tune_cpu_allocator() -> bool:
     _allocator_tuned = ok
     logger.debug("glibc malloc tuned for large activations: %s", ok)
     return ok
+
+
+def cache_dir() -> str:
+    """Where steadylm keeps what it derives once per file (`STEADYLM_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/steadylm`, else `~/.cache/steadylm`); created by the writer."""
+    explicit = os.environ.get("STEADYLM_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "steadylm")

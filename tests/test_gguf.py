@@ -193,3 +193,22 @@ def test_plan_counts_dequantized_bytes(tmp_path):
     engine = engine_for(path)
     assert engine.plan.weight_bytes == 4 * n
     run_to_end(engine)
+
+
+def test_config_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    from steadylm.config import ModelConfig
+
+    monkeypatch.setenv("STEADYLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = _write(tmp_path, "qwen3", ["Q8_0"], head_dim=32)
+    first = ModelConfig.from_path(path)
+
+    def no_conversion(path):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_file, "_convert_config", no_conversion)
+    again = ModelConfig.from_path(path)
+    assert again == first and again.head_dim == 32 and again.torch_dtype == "bfloat16"
+    # A rewritten file (another size / modification time) is converted anew.
+    write_gguf(make_hf_model("qwen3", **{**SIZES, "num_hidden_layers": 3}), path, "qwen3", ["F16"])
+    with pytest.raises(AssertionError, match="converted again"):
+        ModelConfig.from_path(path)

@@ -164,3 +164,22 @@ def test_forced_tool_call_through_the_server():
     assert call["function"]["name"] == "get_weather"
     args = json.loads(call["function"]["arguments"])
     assert args["city"] == "Paris" and args["unit"] == "c"
+
+
+def test_tokenizer_from_the_cache_is_the_same(tokenizer, prompts, monkeypatch):
+    """The second start reads the converted tokenizer from the cache: same ids, template,
+    special tokens; no GGUF conversion."""
+    from steadylm import gguf_file
+    from steadylm.tokenizer import PromptEncoder, load_tokenizer
+
+    monkeypatch.setattr(gguf_file, "_hf_args", lambda path: pytest.fail("converted again"))
+    again = load_tokenizer(SMOLLM2)
+    assert again.chat_template == tokenizer.chat_template
+    assert (again.bos_token_id, again.eos_token_id) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
+    enc = PromptEncoder(again)
+    assert [enc.encode_messages([{"role": "user", "content": q}]) for q in QUESTIONS] == prompts
+    text = "Héllo wörld — 12 + 7 = 19 🙂\n\tcode: def f(x): return x"
+    assert again.encode(text) == tokenizer.encode(text)
