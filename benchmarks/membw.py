@@ -72,8 +72,18 @@ def print_json(out: dict, path: str | None) -> None:
 
 def step_weight_bytes(model_dir: str) -> int:
     """Bytes a decode step reads: every weight matrix except the embedding table (one row)."""
+    from steadylm import gguf_file
     from steadylm.loader import safetensors_files, tensor_shapes
 
+    gguf_path = gguf_file.find_gguf(model_dir)
+    if gguf_path is not None:  # dequantized to fp32 at load; a tied head is the embedding
+        tensors = gguf_file.reader(gguf_path).tensors
+        tied = all(t.name != "output.weight" for t in tensors)
+        return sum(
+            4 * int(t.n_elements)
+            for t in tensors
+            if len(t.shape) == 2 and (tied or t.name != "token_embd.weight")
+        )
     total = 0
     for name, (shape, dtype) in tensor_shapes(safetensors_files(model_dir)).items():
         if "embed_tokens" in name or len(shape) < 2:

@@ -212,3 +212,18 @@ def test_config_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch
     write_gguf(make_hf_model("qwen3", **{**SIZES, "num_hidden_layers": 3}), path, "qwen3", ["F16"])
     with pytest.raises(AssertionError, match="converted again"):
         ModelConfig.from_path(path)
+
+
+def test_steadylm_plan_on_a_gguf_file(tmp_path, capsys):
+    import json
+
+    from steadylm.entrypoints.cli import main
+    from steadylm.loader import checkpoint_weight_bytes
+
+    path = _write(tmp_path, "qwen2", ["Q4_K", "Q8_0"])
+    assert main(["plan", path, "--gpu", "rtx4090", "--dtype", "bf16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weight_bytes"] == checkpoint_weight_bytes(path, torch.bfloat16)
+    assert main(["plan", path, "--gpu", "rtx4090"]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF file:" in out and "Q4_K" in out and "Q8_0" in out and "dequantized" in out

@@ -204,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
         f"{mc.num_kv_heads} KV heads x head_dim {mc.head_dim}, tp={args.tp}"
         + _rank_shape(mc, args.tp)
     )
+    gguf_note = _gguf_note(args.model, plan)
+    if gguf_note:
+        print(gguf_note)
     print(plan.table())
     print(
         f"  {n} concurrent request(s) fit at session_len <= "
@@ -211,3 +214,22 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"  ({fmt_bytes(plan.kv_cache_bytes)} of KV = {plan.total_tokens:,} tokens)")
     return 0
+
+
+def _gguf_note(model: str, plan: MemoryPlan) -> str | None:
+    """For a GGUF file: its size and tensor types beside the dequantized bytes held."""
+    from steadylm import gguf_file
+
+    if not os.path.exists(model):
+        return None
+    path = gguf_file.find_gguf(model)
+    if path is None:
+        return None
+    types: dict[str, int] = {}
+    for t in gguf_file.reader(path).tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(types.items(), key=lambda kv: -kv[1]))
+    return (
+        f"GGUF file: {fmt_bytes(gguf_file.file_bytes(path))} ({kinds} tensors), dequantized "
+        f"at load: the weights below are what is held"
+    )
