@@ -183,3 +183,23 @@ def test_tokenizer_from_the_cache_is_the_same(tokenizer, prompts, monkeypatch):
     assert [enc.encode_messages([{"role": "user", "content": q}]) for q in QUESTIONS] == prompts
     text = "Héllo wörld — 12 + 7 = 19 🙂\n\tcode: def f(x): return x"
     assert again.encode(text) == tokenizer.encode(text)
+
+
+def test_lmdeploy_pipeline_on_the_gguf_file():
+    """An LMDeploy user's code, pointed at the .gguf file: the prompt goes through the chat
+    template, as LMDeploy's pipeline does."""
+    from steadylm import GenerationConfig, PytorchEngineConfig, pipeline
+
+    pipe = pipeline(
+        SMOLLM2,
+        backend_config=PytorchEngineConfig(
+            dtype="float32", enable_prefix_caching=True, quant_policy=8, session_len=2048
+        ),
+    )
+    try:
+        (r,) = pipe(
+            ["What is the capital of France?"], gen_config=GenerationConfig(max_new_tokens=16)
+        )
+    finally:
+        pipe.close()
+    assert "Paris" in r.text and r.finish_reason == "stop"
