@@ -7,8 +7,9 @@ stubbed out, and 1.1-1.2 ms with these kernels. `cpu_ops.cpp` does each in one p
 reads the KV cache where it lies (docs/benchmarks.md has the measurements).
 
 The kernels are compiled once per machine and torch version with torch.utils.cpp_extension
-(`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time). If
-that fails (no compiler, no ninja) the engine logs why and runs the references.
+(`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time, up to
+70 s on 2 vCPUs). The build holds an OS lock, so the lock file of a build killed midway is
+cleared by the next start instead of stalling it (`_build_guard`). If that fails (no compiler, no ninja) the engine logs why and runs the references.
 `STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors take the Triton kernels of
 `triton_ops.py` (one launch per op) where Triton runs, the references otherwise or with
 `STEADYLM_CUDA_KERNELS=torch`.
@@ -19,7 +20,9 @@ the kernel does not cover (non-contiguous, other dtypes, other devices).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -54,6 +57,38 @@ def _build_name() -> str:
     return "steadylm_cpu_ops_" + h.hexdigest()[:12]
 
 
+def _build_directory(name: str) -> str:
+    """Where torch's cpp_extension builds `name` (its own rule, TORCH_EXTENSIONS_DIR included)."""
+    from torch.utils import cpp_extension
+
+    find = getattr(cpp_extension, "_get_build_directory", None)
+    if find is not None:
+        return find(name, False)
+    path = os.path.join(cpp_extension.get_default_build_root(), name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _build_guard(build_dir: str):
+    """Hold an OS lock on the build directory while torch builds or loads there, and clear
+    a stale torch lock. torch's own lock is a plain file (`lock`) that a build killed midway
+    (Ctrl-C, a timeout, a killed CI job) leaves behind, and every later start then waits on it
+    forever. The OS lock dies with its process, and every steadylm builder holds it while it
+    holds torch's, so a torch lock seen while holding it belongs to a dead build."""
+    with open(os.path.join(build_dir, "steadylm.flock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # waits only for a live build in another process
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by an interrupted kernel build", stale)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def native_ops():
     """The compiled `torch.ops.steadylm_cpu` namespace, or None (references run instead)."""
     if "ops" in _state:
@@ -67,13 +102,17 @@ def native_ops():
                 from torch.utils.cpp_extension import load
 
                 logger.info("loading steadylm CPU kernels (compiled once per machine)")
-                load(
-                    _build_name(),
-                    [_SOURCE],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
+                name = _build_name()
+                build_dir = _build_directory(name)
+                with _build_guard(build_dir):
+                    load(
+                        name,
+                        [_SOURCE],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        build_directory=build_dir,
+                        is_python_module=False,
+                        verbose=False,
+                    )
                 ops = torch.ops.steadylm_cpu
             except Exception as exc:  # no compiler, no ninja, a failed build: run the references
                 last = (str(exc).strip().splitlines() or [""])[-1]  # the compiler's verdict
