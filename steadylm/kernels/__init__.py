@@ -9,7 +9,8 @@ reads the KV cache where it lies (docs/benchmarks.md has the measurements).
 The kernels are compiled once per machine and torch version with torch.utils.cpp_extension
 (`-O3 -march=native`, cached under torch's extension directory; ~15 s the first time, up to
 70 s on 2 vCPUs). The build holds an OS lock, so the lock file of a build killed midway is
-cleared by the next start instead of stalling it (`_build_guard`). If that fails (no compiler, no ninja) the engine logs why and runs the references.
+cleared by the next start instead of stalling it (`_build_guard`). If that fails (no
+compiler, no ninja) the engine logs why and runs the references.
 `STEADYLM_CPU_KERNELS=torch` selects the references. CUDA tensors take the Triton kernels of
 `triton_ops.py` (one launch per op) where Triton runs, the references otherwise or with
 `STEADYLM_CUDA_KERNELS=torch`.
