@@ -30,8 +30,10 @@ from steadylm.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 STEADYLM_META = "steadylm_gguf.json"  # what the cache folder holds beside the HF files
 
-# general.architecture -> (HF model_type, architectures entry). llama.cpp writes Mistral (and
-# every Llama-shaped model) as "llama"; transformers tells Mistral apart by general.name.
+# The GGUF architectures (general.architecture) read here. llama.cpp writes Mistral (and every
+# Llama-shaped model) as "llama"; transformers tells Mistral apart by general.name.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# transformers' model_type for a GGUF file -> the architectures entry steadylm registers
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -97,10 +99,10 @@ def check_file(path: str) -> str:
     the GGUF architecture name."""
     r = reader(path)
     arch = _field(r, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}"
+            f"{', '.join(GGUF_ARCHITECTURES)}"
         )
     split = _field(r, "split.count")
     if split and split > 1:
@@ -134,7 +136,7 @@ def _write_cache(path: str, config: Any, dtype: str, tokenizer: Any | None) -> N
     """Save the converted config (and tokenizer) where the next start finds them; written
     to a temporary folder and renamed, so a reader never sees half of it. A cache that
     cannot be written costs only the next start's time."""
-    final = _metadata_cache(path)
+    final, tmp = _metadata_cache(path), None
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(final))
@@ -146,8 +148,12 @@ def _write_cache(path: str, config: Any, dtype: str, tokenizer: Any | None) -> N
         if os.path.isdir(final):  # the other half (tokenizer or config) is already there
             shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-    except OSError as exc:
+        tmp = None
+    except OSError as exc:  # a read-only home, or another process renamed its copy first
         logger.info("GGUF metadata cache not written (%s): the next start converts again", exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cached_meta(path: str) -> tuple[str, dict] | None:
