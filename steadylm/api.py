@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from steadylm.config import EngineConfig
+from steadylm.config import EngineConfig, SpeculativeConfig
 from steadylm.engine.request import SamplingParams
 from steadylm.engine.structured import from_response_format
 from steadylm.entrypoints.server.reasoning import thinking_params
@@ -517,6 +517,8 @@ class PytorchEngineConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
     max_total_tokens: int | None = None
+    # steadylm extension: speculative decoding here as well as pipeline(speculative_config=)
+    speculative_config: Any = None
 
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "dp": (REJECTED, "data parallelism is not supported; run one engine per replica"),
@@ -581,6 +583,7 @@ class PytorchEngineConfig:
             max_prefill_token_num=self.max_prefill_token_num,
             device="cpu" if self.device_type == "cpu" else "auto",
             eager_mode=self.eager_mode,
+            speculative_config=speculative_config(self.speculative_config),
         )
 
 
@@ -693,6 +696,30 @@ def _check_model_format(fmt: str | None) -> None:
             "from config.json)",
             param="model_format",
         )
+
+
+def speculative_config(value: Any) -> SpeculativeConfig | None:
+    """LMDeploy's `SpeculativeConfig(method, model, num_speculative_tokens, dflash_block_size)`
+    (or vLLM's dict, or steadylm's own) as the engine's. The draft-free methods `ngram` and
+    `suffix` run; draft models, EAGLE, MTP and DFlash are refused with the reason."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, (dict, str)):
+        return SpeculativeConfig.from_dict(value)
+    method = getattr(value, "method", None)
+    if method is None:
+        raise ConfigError(
+            f"speculative_config must be a SpeculativeConfig or a dict, not {type(value).__name__}",
+            param="speculative_config",
+        )
+    if getattr(value, "model", ""):
+        return SpeculativeConfig.from_dict({"method": method, "model": value.model})
+    if getattr(value, "dflash_block_size", None) is not None:
+        raise ConfigError(
+            "speculative_config.dflash_block_size: DFlash is not supported",
+            param="speculative_config.dflash_block_size",
+        )
+    return SpeculativeConfig(method=method, num_speculative_tokens=value.num_speculative_tokens)
 
 
 def _engine_config(cfg: Any, **kw: Any) -> EngineConfig:

@@ -117,12 +117,26 @@ def run_offline(args) -> dict:
             offline_once(engine, min(n, 2), min(i, 256), min(o, 8), seed=999)
             runs = [offline_once(engine, n, i, o, seed=r) for r in range(args.runs)]
             results.append((f"{n} x {i} -> {o}", summarize(runs)))
+        spec = engine.stats().spec_decode
     finally:
         engine.shutdown()
     print_table(
         f"steadylm offline ({args.model}, torch threads {torch.get_num_threads()})", results
     )
-    return {"engine": "steadylm", "mode": "offline", "results": dict(results)}
+    out = {"engine": "steadylm", "mode": "offline", "results": dict(results)}
+    if spec is not None:  # over the whole run, warm-ups included
+        out["spec_decode"] = {
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length,
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+        }
+        print(
+            f"speculative decoding: acceptance {100 * spec.acceptance_rate:.1f}%, mean accepted "
+            f"length {spec.mean_acceptance_length:.2f} over {spec.num_drafts} drafts"
+        )
+    return out
 
 
 LENGTH_DEFAULTS = {"num_prompts": 16, "input_len": 256, "output_len": 128}

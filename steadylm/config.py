@@ -153,6 +153,131 @@ def check_model_path(path: str) -> None:
         )
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+# vLLM's and LMDeploy's model-based methods: named, so the refusal can say why.
+_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "deepseek_mtp", "dflash")
+_SPEC_INTS = (
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "suffix_decoding_max_tree_depth",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's `--speculative-config` names and defaults.
+
+    `ngram` (prompt lookup): the last `prompt_lookup_max` down to `prompt_lookup_min` tokens
+    matched in the request's own prompt and output; what followed the latest match is proposed.
+    `suffix`: the longest match (up to `suffix_decoding_max_tree_depth` tokens) of the output's
+    end in the request's tokens and in recent requests' outputs
+    (`suffix_decoding_max_cached_requests` of them), proposing the most frequent continuation
+    while its probability stays at least `suffix_decoding_min_token_prob`, and at most
+    `suffix_decoding_max_spec_factor` times the match length. Either way at most
+    `num_speculative_tokens` a step; with `adaptive`, a request whose drafts stop paying
+    proposes fewer, then none for a while."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None  # ngram: 5; suffix: the tree depth (as vLLM)
+    prompt_lookup_max: int | None = None  # vLLM: both 5 by default; one given sets the other
+    prompt_lookup_min: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method in _MODEL_METHODS:
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported: steadylm proposes "
+                f"drafts with {' or '.join(SPECULATIVE_METHODS)} (no draft or EAGLE model yet)",
+                param="speculative_config.method",
+            )
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            "speculative_config.method",
+            f"speculative method {self.method!r} is not one of {SPECULATIVE_METHODS}",
+        )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.num_speculative_tokens is None:
+            k = 5 if self.method == "ngram" else self.suffix_decoding_max_tree_depth
+            object.__setattr__(self, "num_speculative_tokens", k)
+        for name in _SPEC_INTS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 64,
+                f"speculative_config.{name}",
+                f"speculative_config {name}={value!r} must be an int in [1, 64]",
+            )
+        n = self.suffix_decoding_max_cached_requests
+        _check(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+            "speculative_config.suffix_decoding_max_cached_requests",
+            f"suffix_decoding_max_cached_requests={n!r} must be an int >= 0",
+        )
+        _check(
+            lo <= hi,
+            "speculative_config.prompt_lookup_min",
+            f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}",
+        )
+        f = self.suffix_decoding_max_spec_factor
+        _check(
+            _is_number(f) and f > 0,
+            "speculative_config.suffix_decoding_max_spec_factor",
+            f"suffix_decoding_max_spec_factor={f!r} must be > 0",
+        )
+        p = self.suffix_decoding_min_token_prob
+        _check(
+            _is_number(p) and 0 <= p <= 1,
+            "speculative_config.suffix_decoding_min_token_prob",
+            f"suffix_decoding_min_token_prob={p!r} must be in [0, 1]",
+        )
+
+    @classmethod
+    def from_dict(cls, value: dict | str) -> SpeculativeConfig:
+        """vLLM's `--speculative-config` (a JSON object, or its text)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"speculative_config is not JSON: {exc}", param="speculative_config"
+                ) from None
+        if not isinstance(value, dict):
+            raise ConfigError(
+                "speculative_config must be a JSON object", param="speculative_config"
+            )
+        value = dict(value)
+        model = value.pop("model", None)
+        if model:  # a draft model: vLLM infers the method from it
+            method = value.setdefault("method", "draft_model")
+            if method in SPECULATIVE_METHODS:
+                raise ConfigError(
+                    f"speculative method {method!r} takes no draft model (model={model!r})",
+                    param="speculative_config.model",
+                )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config does not take {', '.join(unknown)}; it takes "
+                f"{', '.join(sorted(known | {'model'}))}",
+                param="speculative_config",
+            )
+        return cls(**value)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine knob, with LMDeploy's names and defaults where LMDeploy has the knob.
@@ -184,6 +309,7 @@ class EngineConfig:
     dist_timeout_s: float = 60.0  # tp > 1: a collective waiting longer than this fails
     log_stats_interval_s: float = 10.0
     plan_notes: tuple[str, ...] = ()  # said with the memory plan (e.g. a knob that lost)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         _check_positive(self, "tp", "max_batch_size", "max_prefill_token_num", "block_size")
@@ -215,6 +341,15 @@ class EngineConfig:
         )
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        spec = self.speculative_config
+        if isinstance(spec, (dict, str)):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
+        _check(
+            self.speculative_config is None
+            or isinstance(self.speculative_config, SpeculativeConfig),
+            "speculative_config",
+            "speculative_config must be a SpeculativeConfig, a dict or None",
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -252,6 +252,7 @@ class MemoryPlan:
     tp: int = 1  # at tp > 1 every byte figure is one rank's (activations: rank 0's, the largest)
     cuda_graph_bytes: int = 0  # the decode CUDA graphs' pool (0: none captured)
     notes: list[str] = field(default_factory=list)
+    speculative: str = ""  # speculative decoding's method and most drafts a step ("": off)
 
     @property
     def total_tokens(self) -> int:
@@ -298,6 +299,18 @@ class MemoryPlan:
                     )
                 ]
                 if self.cuda_graph_bytes
+                else []
+            ),
+            *(
+                [
+                    (
+                        "speculative decoding",
+                        f"{self.speculative}: no draft model; logits for up to "
+                        f"{self.max_batch_size} x (1 + drafts) rows in the activation reserve; "
+                        "drafts' KV slots from the pool, released when rejected",
+                    )
+                ]
+                if self.speculative
                 else []
             ),
             ("KV cache" + per, fmt_bytes(self.kv_cache_bytes)),
@@ -369,8 +382,11 @@ def plan_memory(
         cuda_graphs = not is_cpu and not ec.eager_mode and tp == 1
     graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp) if cuda_graphs else 0
     n = ec.max_prefill_token_num
+    spec = ec.speculative_config
+    # With drafts a decoding request samples at 1 + k positions: that many logits rows each.
+    sample_rows = ec.max_batch_size * (1 + (spec.num_speculative_tokens if spec else 0))
     while True:
-        act = activation_bytes(mc, n, ec.max_batch_size, session_len, dtype_bytes, tp)
+        act = activation_bytes(mc, n, sample_rows, session_len, dtype_bytes, tp)
         kv_bytes, source = _kv_budget(ec, knob, device, weights + graphs, act, block_bytes, is_cpu)
         num_blocks = max(0, int(kv_bytes // block_bytes))
         used = weights + graphs + act + num_blocks * block_bytes
@@ -421,6 +437,9 @@ def plan_memory(
         tp=tp,
         cuda_graph_bytes=graphs,
         notes=notes,
+        speculative=f"{spec.method}, up to {spec.num_speculative_tokens} drafts a step"
+        if spec
+        else "",
     )
 
 

@@ -72,8 +72,9 @@ class VisionConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """LMDeploy's fields. steadylm has no speculative decoding yet: `pipeline()` refuses one
-    with that reason."""
+    """LMDeploy's fields. `method` "ngram" or "suffix" runs (draft-free speculative decoding,
+    steadylm.config.SpeculativeConfig has their knobs); a draft model, EAGLE, MTP or DFlash is
+    refused with the reason."""
 
     method: str
     model: str = ""

@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from steadylm.config import SpeculativeConfig
 from steadylm.entrypoints import serve_cli
 from steadylm.entrypoints.cli import build_parser, engine_config_from_args
 from steadylm.errors import ConfigError
@@ -50,6 +51,14 @@ def _ns(**want):
 
 # flag: (argv, check on the parsed and checked args). Some are checked on the app below.
 WORKS = {
+    "--speculative-algorithm": (
+        ["--speculative-algorithm", "ngram"],
+        _ec(speculative_config=SpeculativeConfig(method="ngram")),
+    ),
+    "--speculative-num-draft-tokens": (
+        ["--speculative-algorithm", "suffix", "--speculative-num-draft-tokens", "3"],
+        _ec(speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=3)),
+    ),
     "--server-name": (["--server-name", "0.0.0.0"], _ns(server_name="0.0.0.0")),
     "--server-port": (["--server-port", "8000"], _ns(server_port=8000)),
     "--allow-origins": (
@@ -155,22 +164,17 @@ REFUSED = {
         "rope",
         ["--rope-scaling-factor", "0"],
     ),
-    "--speculative-algorithm": (["--speculative-algorithm", "eagle3"], "speculative", None),
-    "--speculative-draft-model": (["--speculative-draft-model", "/d"], "speculative", None),
-    "--speculative-num-draft-tokens": (
-        ["--speculative-num-draft-tokens", "3"],
-        "speculative",
-        ["--speculative-num-draft-tokens", "1"],
-    ),
+    "--speculative-draft-model": (["--speculative-draft-model", "/d"], "draft models", None),
     "--speculative-dflash-block-size": (
         ["--speculative-dflash-block-size", "4"],
-        "speculative",
+        "DFlash",
         None,
     ),
     "--kv-transfer-config": (["--kv-transfer-config", "{}"], "connector", None),
 }
 # Values of working flags that steadylm cannot honour: (argv, words the error names).
 REFUSED_VALUES = [
+    (["--speculative-algorithm", "eagle3"], "ngram and suffix"),
     (["--device", "ascend"], "cuda or cpu"),
     (["--quant-policy", "fp8"], "fp8"),
     (["--model-format", "gptq"], "hf and awq"),

@@ -193,15 +193,25 @@ class BlockManager:
                 block.block_hash, block.token_ids, block.parent_hash = h, chunk, parent
                 self.cached[h] = block.block_id
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks: the one place blocks are freed. A cached block (it has
+    def free(self, request: Request, keep_tokens: int | None = None) -> int:
+        """Release the request's blocks: the one place blocks are freed. With `keep_tokens`,
+        only the blocks past the first `keep_tokens` tokens' (the slots of rejected draft
+        tokens), which hold nothing cached. Returns the number of blocks released.
+
+        A cached block (it has
         a hash) goes to the free queue tail, in reverse order, so a sequence's last blocks are
         evicted first. A block with nothing to find in it goes to the front and is reused next:
         on the CPU a pool page costs memory once first written, and handing new requests every
         never-used block in turn grew the server's RSS until the whole pool (4 GiB by default
         there) had been touched. Now the pages in use follow the peak number of blocks used."""
-        table = self.req_blocks.pop(request.request_id, [])
-        self.req_hashes.pop(request.request_id, None)
+        if keep_tokens is None:
+            table = self.req_blocks.pop(request.request_id, [])
+            self.req_hashes.pop(request.request_id, None)
+        else:
+            held = self.req_blocks.get(request.request_id, [])
+            keep = self.blocks_needed(keep_tokens)
+            table = held[keep:]
+            del held[keep:]
         for block_id in reversed(table):
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, block
@@ -212,6 +222,7 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
+        return len(table)
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

@@ -25,6 +25,7 @@ from steadylm.engine.executor import Executor, InProcessExecutor
 from steadylm.engine.model_runner import ModelRunner
 from steadylm.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from steadylm.engine.scheduler import Scheduler, SchedulerOutput
+from steadylm.engine.speculative import SpecStats, Speculator
 from steadylm.engine.step import ContractBuilder, StepContract
 from steadylm.engine.structured import StructuredOutputManager
 from steadylm.errors import ConfigError, EngineDeadError, RequestError
@@ -65,6 +66,7 @@ class EngineStats:
     last_error: str | None
     fault_counts: dict[str, int] = field(default_factory=dict)
     num_request_faults: int = 0
+    spec_decode: SpecStats | None = None  # speculative decoding's counters (None: off)
 
 
 class LLMEngine:
@@ -108,8 +110,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             plan.num_blocks, plan.block_size, config.enable_prefix_caching, watermark, salt
         )
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         self.scheduler = Scheduler(
-            self.block_manager, config.max_batch_size, plan.max_prefill_token_num
+            self.block_manager,
+            config.max_batch_size,
+            plan.max_prefill_token_num,
+            self.speculator,
         )
         self.contracts = ContractBuilder()  # what the runner has been told, request by request
         self.structured = StructuredOutputManager(
@@ -313,10 +320,19 @@ class LLMEngine:
             out, sampled, failed = self._isolate_fault(out, exc)
         else:
             self.consecutive_faults = 0
-        self.num_generated_tokens += len(sampled)
+        generated = sum(len(tokens) for tokens, _ in sampled.values())
+        self.num_generated_tokens += generated
+        decode_only = bool(out.scheduled) and all(
+            s.num_new_tokens == 1 + len(s.spec_token_ids) and s.request.num_output_tokens
+            for s in out.scheduled
+        )
         self._collect_prompt_logprobs(out, sampled)
         used = self.block_manager.num_used_blocks  # before finished requests free theirs
         self.scheduler.update(out, sampled)
+        for req in out.trimmed:  # the runner cuts its table with the next contract
+            self.contracts.truncate(
+                req.request_id, len(self.block_manager.block_table(req.request_id))
+            )
         self.step_log.append(
             StepRecord(
                 len(out.scheduled),
@@ -327,6 +343,11 @@ class LLMEngine:
                 len(out.preempted),
             )
         )
+        if self.speculator is not None and decode_only and not failed:
+            drafted = any(s.spec_token_ids for s in out.scheduled)
+            self.speculator.observe(
+                time.perf_counter() - t0, len(out.scheduled), generated, drafted
+            )
         touched = [s.request for s in out.scheduled] + out.errored + failed
         self._maybe_log_stats()
         return self._outputs(touched)
@@ -335,7 +356,7 @@ class LLMEngine:
         """Turn a schedule into the step contract (data only) and have the runner run it."""
         token_bitmask = self._token_bitmask(out)  # before the contract: it may drop requests
         contract = self.contracts.build(
-            [(s.request, s.num_new_tokens) for s in out.scheduled],
+            [(s.request, s.num_new_tokens, s.spec_token_ids) for s in out.scheduled],
             out.preempted,
             self.block_manager.block_table,
         )
@@ -487,6 +508,9 @@ class LLMEngine:
         return outputs
 
     def _forget(self, req: Request) -> None:
+        if self.speculator is not None:  # a finished answer joins the suffix store
+            done = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self.speculator.finish(req.request_id, req.output_token_ids if done else [])
         self._reported.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self.contracts.finish(req.request_id)  # the runner drops its state with the next step
@@ -570,6 +594,7 @@ class LLMEngine:
             last_error=self.executor.dead_error or self.last_error,
             fault_counts=dict(self.fault_counts),
             num_request_faults=self.num_request_faults,
+            spec_decode=None if self.speculator is None else self.speculator.snapshot(),
         )
 
     def _maybe_log_stats(self) -> None:
@@ -581,8 +606,15 @@ class LLMEngine:
         reasons = {}
         for r in self.scheduler.waiting:
             reasons[r.wait_reason] = reasons.get(r.wait_reason, 0) + 1
+        spec = ""
+        if s.spec_decode is not None and s.spec_decode.num_drafts:
+            sd = s.spec_decode
+            spec = (
+                f", speculative: acceptance {100 * sd.acceptance_rate:.1f}%, mean accepted "
+                f"length {sd.mean_acceptance_length:.2f} over {sd.num_drafts} drafts"
+            )
         logger.info(
-            "running %d, waiting %d %s, KV blocks %d/%d used, preemptions %d, prefix hit %.1f%%",
+            "running %d, waiting %d %s, KV blocks %d/%d used, preemptions %d, prefix hit %.1f%%%s",
             s.num_running,
             s.num_waiting,
             reasons or "",
@@ -590,6 +622,7 @@ class LLMEngine:
             s.kv_blocks_total,
             s.num_preemptions,
             100 * s.prefix_cache_hit_rate,
+            spec,
         )
 
 

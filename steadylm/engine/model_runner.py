@@ -5,7 +5,10 @@ per-request state (token history, block table, sampling params) updated from the
 differences, turns each step into flat batch tensors (input ids, positions, slot mapping, block
 tables), runs the model, computes logits only for the rows that sample, and calls the sampler.
 Decode sequences come first in the flat batch and prefill chunks after them, each group with
-its own attention call.
+its own attention call. A request with draft tokens (speculative decoding) runs as a chunk of
+its last known token and the drafts; each of those positions is sampled as its own row (its
+history the tokens before it, drafts included), and the drafts are kept while they equal the
+token sampled at their position.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from steadylm.engine.sampler import Sampler
 from steadylm.engine.step import StepContract
 from steadylm.memory import MemoryPlan
 
-Sampled = dict[str, tuple[int, dict | None]]  # request id -> (token, logprobs)
+# request id -> (its new tokens: one, or the kept drafts and the token after them; their
+# logprobs, or None when it asked for none)
+Sampled = dict[str, tuple[list[int], list[dict] | None]]
 
 
 @dataclass
@@ -50,6 +55,7 @@ class RunnerRequest:
     num_computed_tokens: int = 0
     token_bitmask: torch.Tensor | None = None  # allowed next tokens this step (None: any)
     prompt_logprobs: list[dict | None] | None = None  # filled by position as chunks run
+    spec_token_ids: tuple[int, ...] = ()  # this step's draft tokens
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -65,6 +71,40 @@ class RunnerRequest:
 
 
 @dataclass(frozen=True)
+class _DraftView:
+    """One draft position of a request, as the sampler reads it: the request's tokens and
+    the drafts before this position (penalties, bans and seeds see the history they would
+    have if those drafts are kept)."""
+
+    req: RunnerRequest
+    index: int  # drafts before this position
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.req.eos_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens + self.index
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.req.all_token_ids + list(self.req.spec_token_ids[: self.index])
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.req.num_prompt_tokens :]
+
+
+@dataclass(frozen=True)
 class _Row:
     req: RunnerRequest
     num_new_tokens: int
@@ -72,7 +112,27 @@ class _Row:
     @property
     def samples(self) -> bool:
         """Whether this step computes the request's last known token (and so samples one)."""
-        return self.req.num_computed_tokens + self.num_new_tokens == len(self.req.all_token_ids)
+        req = self.req
+        end = len(req.all_token_ids) + len(req.spec_token_ids)
+        return req.num_computed_tokens + self.num_new_tokens == end
+
+    @property
+    def feed(self) -> list[int]:
+        """The tokens this row computes: a chunk of the known ones, then any drafts."""
+        req = self.req
+        start = req.num_computed_tokens
+        if req.spec_token_ids:
+            return req.all_token_ids[start:] + list(req.spec_token_ids)
+        return req.all_token_ids[start : start + self.num_new_tokens]
+
+    @property
+    def views(self) -> list:
+        """The rows the sampler draws for this request: one, or one per draft position."""
+        if not self.req.spec_token_ids:
+            return [self.req]
+        return [self.req] + [
+            _DraftView(self.req, i) for i in range(1, 1 + len(self.req.spec_token_ids))
+        ]
 
     @property
     def prompt_positions(self) -> range:
@@ -118,6 +178,25 @@ class _Timer:
         if self.cuda:
             return self.start.elapsed_time(self.end) / 1000.0
         return self.t1 - self.t0
+
+
+def _verify(rows: list[_Row], tokens: list[int], logprobs: list) -> Sampled:
+    """Each sampling row's new tokens from the tokens drawn at its positions (in `rows`'
+    order): its drafts while they equal the token drawn at their position, then the token
+    drawn after the last one kept. With greedy rows that is the argmax chain; with sampled
+    ones it is rejection sampling for a draft that is one fixed token (kept with probability
+    p(draft); else the token drawn, which is then distributed as p without the draft)."""
+    out: Sampled = {}
+    j = 0
+    for r in rows:
+        spec = r.req.spec_token_ids
+        n = 0
+        while n < len(spec) and tokens[j + n] == spec[n]:
+            n += 1
+        lp = logprobs[j : j + n + 1]
+        out[r.req.request_id] = (tokens[j : j + n + 1], None if lp[0] is None else lp)
+        j += 1 + len(spec)
+    return out
 
 
 def _local_rank() -> tuple[int, int]:
@@ -244,11 +323,14 @@ class ModelRunner:
         for r in contract.cached:
             req = self.requests[r.request_id]
             req.all_token_ids += r.new_token_ids
+            del req.block_ids[r.num_kept_blocks :]  # rejected drafts' blocks went back
             req.block_ids += r.new_block_ids
             self._new_blocks += r.new_block_ids
             req.num_computed_tokens = r.num_computed_tokens
-        for rid, _ in contract.scheduled:  # kept with the request: a retried step reuses it
-            self.requests[rid].token_bitmask = contract.token_bitmask.get(rid)
+        for r in (*contract.new, *contract.cached):  # kept: a retried step reuses them
+            req = self.requests[r.request_id]
+            req.token_bitmask = contract.token_bitmask.get(r.request_id)
+            req.spec_token_ids = r.spec_token_ids
 
     def execute(self, contract: StepContract) -> Sampled:
         """Apply the contract and run its step."""
@@ -277,29 +359,33 @@ class ModelRunner:
             self.in_collectives = False
             self._count(timer)
             return {}
-        rows = [s + r.num_new_tokens - 1 for r, s in zip(order, starts) if r.samples]
+        rows = [
+            i
+            for r, s in zip(order, starts)
+            if r.samples
+            for i in range(
+                s + r.num_new_tokens - 1 - len(r.req.spec_token_ids), s + r.num_new_tokens
+            )
+        ]
         if len(rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        requests = [r.req for r in sampling]
+        views = [v for r in sampling for v in r.views]
         # Every row's token the argmax of its logits: no float32 copy of them; where the LM
         # head keeps an int8 copy, the tokens without the logits (the same tokens).
-        plain = self.sampler.plain_greedy(requests)
+        plain = self.sampler.plain_greedy(views)
         screen = getattr(self.model, "greedy_tokens", None)
         tokens = screen(hidden) if plain and screen is not None else None
         if tokens is not None:
             self.in_collectives = False
             self._count(timer)
-            return {r.request_id: (tok, None) for r, tok in zip(requests, tokens)}
+            return _verify(sampling, tokens, [None] * len(tokens))
         logits = self.model.compute_logits(hidden, not plain)
         self.in_collectives = False
         self._count(timer)
         if logits is None:  # a tensor-parallel worker: rank 0 samples
             return {}
-        result = self.sampler(logits, requests)
-        return {
-            r.request_id: (tok, lp)
-            for r, tok, lp in zip(requests, result.token_ids, result.logprobs)
-        }
+        result = self.sampler(logits, views)
+        return _verify(sampling, result.token_ids, result.logprobs)
 
     def _forward(self, order: list[_Row], timer: _Timer | None = None) -> torch.Tensor:
         """The model over this step's rows -> final hidden states (T, C). A decode step goes
@@ -382,8 +468,7 @@ class ModelRunner:
         bs = self.block_size
         tokens: list[int] = []
         for r in order:
-            start = r.req.num_computed_tokens
-            tokens += r.req.all_token_ids[start : start + r.num_new_tokens]
+            tokens += r.feed
         q_lens = torch.tensor([r.num_new_tokens for r in order])
         computed = torch.tensor([r.req.num_computed_tokens for r in order])
         seq_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens)  # (T,)

@@ -2,8 +2,10 @@
 temperature, top-k, top-p, min-p, then an exponential race (argmax of p / E, E ~ Exp(1)), which
 draws from p without a host sync. Logprobs are those of the logits before the bitmask.
 
-A seeded request owns a `torch.Generator`; its noise row is drawn from it alone, so its tokens do
-not depend on what else is in the batch. Unseeded rows share the engine's generator.
+A seeded request's noise for its j-th output token is drawn from a generator seeded with
+(seed, j) alone, so its tokens depend on nothing else: not the batch, not a preemption, not
+how many draft positions a speculative step scored before it. Unseeded rows share the
+engine's generator.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.seeded = torch.Generator(device=device)  # reseeded per seeded row: no state kept
 
     def release(self, request_id: str) -> None:
-        self.request_generators.pop(request_id, None)
+        """A request ended (the sampler keeps no state per request)."""
 
     @staticmethod
     def plain_greedy(requests: list[SamplingRow]) -> bool:
@@ -61,23 +63,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
         """logits (S, V), one row per request that samples this step: float32, or any float
-        dtype when `plain_greedy(requests)`. If it raises, the seeded generators are as before
-        the call, so a retried request draws the same."""
-        saved = {
-            r.request_id: self.request_generators[r.request_id].get_state()
-            for r in requests
-            if r.request_id in self.request_generators
-        }
-        try:
-            return self._sample_step(logits, requests)
-        except Exception:
-            for r in requests:
-                g = self.request_generators.get(r.request_id)
-                if r.request_id in saved:
-                    g.set_state(saved[r.request_id])
-                elif g is not None:  # created during this call: it restarts from its seed
-                    del self.request_generators[r.request_id]
-            raise
+        dtype when `plain_greedy(requests)`. A retried seeded request draws the same."""
+        return self._sample_step(logits, requests)
 
     def _sample_step(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
         if self.plain_greedy(requests):
@@ -156,17 +143,22 @@ class Sampler:
         probs = filter_probs(logits / temp[:, None], top_k, top_p, min_p)
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self._generator_for(r))
+            if r.params.seed is None:
+                noise[i].exponential_(generator=self.generator)
+            else:
+                self.seeded.manual_seed(position_seed(r.params.seed, r.num_output_tokens))
+                noise[i].exponential_(generator=self.seeded)
         return kernels.argmax(probs / noise)
 
-    def _generator_for(self, r: SamplingRow) -> torch.Generator:
-        if r.params.seed is None:
-            return self.generator
-        g = self.request_generators.get(r.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(r.params.seed)
-            self.request_generators[r.request_id] = g
-        return g
+
+def position_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's noise for its output token `index`: SplitMix64 over
+    (seed, index), so neighbouring positions and seeds draw unrelated noise."""
+    mask = 2**64 - 1
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def _banned_ids(r: SamplingRow) -> list[int]:

@@ -5,6 +5,11 @@ startup), running requests are served oldest first, and when one cannot grow the
 request is preempted (recompute). So the oldest request can always take one more token, every
 running request finishes, and every waiting request is admitted once the pool drains. No input
 reaches an assert: a request that still cannot grow alone is finished with an error.
+
+With speculative decoding a decoding request may also carry draft tokens (`spec_token_ids`):
+it computes 1 + k tokens against the budget, and its drafts take only blocks that no request
+behind it could need this step, so drafts never cause a preemption. The blocks the rejected
+drafts used are released in `update`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from steadylm.engine.block_manager import BlockManager
 from steadylm.engine.request import Request, RequestStatus
+from steadylm.engine.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +28,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # with drafts: 1 + len(spec_token_ids)
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens scored after its last known token
 
 
 @dataclass
@@ -32,6 +39,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     errored: list[Request] = field(default_factory=list)
+    trimmed: list[Request] = field(default_factory=list)  # gave back rejected drafts' blocks
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +59,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        speculator: Speculator | None = None,
     ) -> None:
         self.bm = block_manager
+        self.speculator = speculator
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.waiting: deque[Request] = deque()
@@ -85,9 +98,10 @@ class Scheduler:
             while not self.bm.can_allocate(req, n) and self.running[-1] is not req:
                 self._preempt(self.running.pop(), out)
             if self.bm.can_allocate(req, n):
-                self.bm.allocate(req, n)
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+                spec = self._drafts(req, n, budget, len(self.running) - i - 1)
+                self.bm.allocate(req, n + len(spec))
+                out.scheduled.append(ScheduledRequest(req, n + len(spec), spec))
+                budget -= n + len(spec)
                 i += 1
             elif out.scheduled:
                 # Older requests scheduled this step hold the blocks; step back and retry later.
@@ -95,6 +109,25 @@ class Scheduler:
             else:
                 self._fail_alone(req, n, out)
         return budget
+
+    def _drafts(self, req: Request, n: int, budget: int, num_behind: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request: within the step budget and its length cap,
+        none under a structured-output constraint, and only if the blocks they take leave
+        one free block for each running request behind it (and the watermark)."""
+        if self.speculator is None or n != 1 or req.num_uncomputed_tokens != 1:
+            return ()
+        if req.constraint is not None:
+            return ()
+        limit = min(budget - 1, req.max_total_tokens - req.num_tokens - 1)
+        spec = self.speculator.propose(req.request_id, req.all_token_ids, limit)
+        if not spec:
+            return ()
+        extra = self.bm.num_blocks_to_allocate(req, 1 + len(spec)) - (
+            self.bm.num_blocks_to_allocate(req, 1)
+        )
+        if extra and extra + 1 + num_behind + self.bm.watermark_blocks > self.bm.num_free_blocks:
+            return ()
+        return tuple(spec)
 
     def _fail_alone(self, req: Request, n: int, out: SchedulerOutput) -> None:
         # Unreachable while session_len <= capacity; kept so no state can stall the loop.
@@ -154,20 +187,30 @@ class Scheduler:
             req.wait_reason = reason
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict | None]]
+        self, out: SchedulerOutput, sampled: dict[str, tuple[list[int], list | None]]
     ) -> list[Request]:
         """Advance progress after the model ran; return the requests that finished."""
         finished = list(out.errored)
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            tokens, logprobs = sampled.get(req.request_id, ((), None))
+            for j, token in enumerate(tokens):
+                req.append_output(token, None if logprobs is None else logprobs[j])
+                if req.is_finished:  # a stop inside an accepted run cuts it
+                    break
+            if s.spec_token_ids:
+                # Its last known token and the kept drafts are computed; the token sampled
+                # after them is not. Drafts rejected or cut leave their slots to be rewritten.
+                req.num_computed_tokens = req.num_tokens - 1
+                self.speculator.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_full_blocks(req)
-            if req.request_id in sampled:
-                token, logprobs = sampled[req.request_id]
-                req.append_output(token, logprobs)
             if req.is_finished:
                 self._remove(req)
                 finished.append(req)
+            elif s.spec_token_ids and self.bm.free(req, keep_tokens=req.num_tokens):
+                out.trimmed.append(req)
         return finished
 
     def fail_one(self, request: Request, error: str) -> None:

@@ -8,7 +8,11 @@ tokens appended since, new block ids, how far it is computed and how many tokens
 `finished_ids` drop a request's runner state; `preempted_ids` drop its tokens and blocks but
 keep its seeded generator, so a resumed request samples as it would have. `token_bitmask` holds
 the allowed-token rows of this step's constrained requests (structured output, thinking
-budgets); only the sampling rank reads it.
+budgets); only the sampling rank reads it. A decoding request may carry draft tokens
+(`spec_token_ids`, speculative decoding): this step feeds its last known token and them, and
+samples at every one of those positions. After a step that rejected drafts the scheduler may
+have taken back blocks at the end of a table: `num_kept_blocks` says how many of the blocks
+the runner knows are still the request's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
     num_new_tokens: int  # tokens to compute this step
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,9 @@ class CachedRequestData:
     new_token_ids: list[int]  # appended since the runner last saw it (sampled tokens)
     new_block_ids: list[int]
     num_computed_tokens: int
-    num_new_tokens: int
+    num_new_tokens: int  # with drafts: 1 + len(spec_token_ids)
+    num_kept_blocks: int  # the runner's table is cut to this many blocks, then new_block_ids
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -65,19 +72,27 @@ class ContractBuilder:
         self.sent: dict[str, tuple[int, int]] = {}  # id -> (tokens sent, blocks sent)
         self.pending_finished: list[str] = []
 
+    def truncate(self, request_id: str, num_blocks: int) -> None:
+        """The request's table was cut to `num_blocks` (rejected drafts' blocks released)."""
+        known = self.sent.get(request_id)
+        if known is not None:
+            self.sent[request_id] = (known[0], min(known[1], num_blocks))
+
     def finish(self, request_id: str) -> None:
         self.sent.pop(request_id, None)
         self.pending_finished.append(request_id)
 
     def build(self, scheduled, preempted, block_table) -> StepContract:
-        """`scheduled`: (Request, num_new_tokens) pairs; `preempted`: Requests preempted by
-        this schedule; `block_table(request_id)` gives the request's current block ids."""
+        """`scheduled`: (Request, num_new_tokens, spec_token_ids) triples (or pairs, without
+        drafts); `preempted`: Requests preempted by this schedule; `block_table(request_id)`
+        gives the request's current block ids."""
         contract = StepContract(finished_ids=self.pending_finished)
         self.pending_finished = []
         for req in preempted:
             if self.sent.pop(req.request_id, None) is not None:
                 contract.preempted_ids.append(req.request_id)
-        for req, n in scheduled:
+        for req, n, *spec in scheduled:
+            spec = tuple(spec[0]) if spec else ()
             rid, table = req.request_id, block_table(req.request_id)
             known = self.sent.get(rid)
             if known is None:
@@ -91,6 +106,7 @@ class ContractBuilder:
                         list(table),
                         req.num_computed_tokens,
                         n,
+                        spec,
                     )
                 )
             else:
@@ -102,6 +118,8 @@ class ContractBuilder:
                         list(table[blocks:]),
                         req.num_computed_tokens,
                         n,
+                        blocks,
+                        spec,
                     )
                 )
             self.sent[rid] = (req.num_tokens, len(table))

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from steadylm import parallel
-from steadylm.config import EngineConfig
+from steadylm.config import EngineConfig, SpeculativeConfig
 from steadylm.errors import ConfigError, SteadyLMError
 
 # LMDeploy's --quant-policy names; fp8 (16, 17) and turbo_quant (42) are refused with the reason.
@@ -111,6 +111,30 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
         ),
     ),
 ]
+# Speculative decoding: vLLM's JSON flag, or LMDeploy's three; one SpeculativeConfig.
+SPEC_FLAGS = [
+    (
+        "--speculative-config",
+        dict(
+            default=None,
+            help='vLLM: speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+            "(methods: ngram, suffix)",
+        ),
+    ),
+    (
+        "--speculative-algorithm",
+        dict(default=None, help="LMDeploy: the speculative method (ngram or suffix)"),
+    ),
+    (
+        "--speculative-num-draft-tokens",
+        dict(type=int, default=None, help="LMDeploy: draft tokens per step at most"),
+    ),
+    (
+        "--speculative-draft-model",
+        dict(default=None, help="LMDeploy: a draft model directory (refused: not supported yet)"),
+    ),
+]
 
 
 def add_engine_flags(
@@ -120,11 +144,45 @@ def add_engine_flags(
     g = p.add_argument_group("engine")
     for flag, kw in ENGINE_FLAGS:
         g.add_argument(flag, *(aliases or {}).get(flag, []), **kw)
+    g = p.add_argument_group("speculative decoding")
+    for flag, kw in SPEC_FLAGS:
+        g.add_argument(flag, **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS]
-    return EngineConfig(**{n: getattr(args, n) for n in names})
+    return EngineConfig(
+        **{n: getattr(args, n) for n in names}, speculative_config=speculative_from_args(args)
+    )
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative-config` (vLLM) or `--speculative-algorithm` with
+    `--speculative-num-draft-tokens` / `--speculative-draft-model` (LMDeploy)."""
+    lmdeploy = {
+        key: value
+        for key, value in (
+            ("method", args.speculative_algorithm),
+            ("num_speculative_tokens", args.speculative_num_draft_tokens),
+            ("model", args.speculative_draft_model),
+        )
+        if value is not None
+    }
+    if args.speculative_config is not None and lmdeploy:
+        raise ConfigError(
+            "give --speculative-config or LMDeploy's --speculative-* flags, not both",
+            param="speculative_config",
+        )
+    if args.speculative_config is not None:
+        return SpeculativeConfig.from_dict(args.speculative_config)
+    if not lmdeploy:
+        return None
+    if "method" not in lmdeploy and "model" not in lmdeploy:
+        raise ConfigError(
+            "--speculative-num-draft-tokens needs --speculative-algorithm (ngram or suffix)",
+            param="speculative_algorithm",
+        )
+    return SpeculativeConfig.from_dict(lmdeploy)
 
 
 def build_parser() -> argparse.ArgumentParser:

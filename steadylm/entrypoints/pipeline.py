@@ -17,6 +17,7 @@ from steadylm.api import (
     Response,
     TurbomindEngineConfig,
 )
+from steadylm.api import speculative_config as api_speculative
 from steadylm.config import EngineConfig
 from steadylm.engine.async_engine import CLOSED, AsyncEngine
 from steadylm.engine.llm_engine import LLMEngine
@@ -43,7 +44,8 @@ def pipeline(
 ) -> Pipeline:
     """LMDeploy's `pipeline()`, with its arguments. `max_log_len`, `trust_remote_code` and
     `allowed_media_domains` are accepted with no effect (said at INFO); `speculative_config`
-    is rejected (no speculative decoding yet)."""
+    (LMDeploy's `SpeculativeConfig`, method "ngram" or "suffix") turns on speculative
+    decoding."""
     logging.getLogger("steadylm").setLevel(log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
@@ -193,11 +195,6 @@ class Pipeline:
                 "allowed_media_domains)",
                 param=sorted(kwargs)[0],
             )
-        if speculative_config is not None:
-            raise ConfigError(
-                "speculative_config is not supported: steadylm has no speculative decoding yet",
-                param="speculative_config",
-            )
         given = dict(
             max_log_len=max_log_len,
             trust_remote_code=trust_remote_code,
@@ -209,6 +206,8 @@ class Pipeline:
         config = backend_config or PytorchEngineConfig()
         if not isinstance(config, EngineConfig):
             config = config.to_engine_config()
+        if speculative_config is not None:
+            config = config.replace(speculative_config=api_speculative(speculative_config))
         from steadylm.config import ModelConfig
 
         ModelConfig.from_path(model_path)  # a missing path fails here, before anything loads

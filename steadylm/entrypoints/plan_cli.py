@@ -70,6 +70,11 @@ def add_parser(sub) -> None:
         action="store_true",
         help="plan without decode CUDA graphs (their memory goes to the KV cache)",
     )
+    from steadylm.entrypoints.cli import SPEC_FLAGS
+
+    g = p.add_argument_group("speculative decoding")
+    for flag, kw in SPEC_FLAGS:
+        g.add_argument(flag, **kw)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -127,6 +132,8 @@ def plan_dtype(args, mc: ModelConfig) -> str:
 
 
 def make(args) -> tuple[MemoryPlan, ModelConfig]:
+    from steadylm.entrypoints.cli import speculative_from_args
+
     mc, model_dir = resolve_model(args.model)
     device = resolve_device(args)
     dtype = plan_dtype(args, mc)
@@ -146,6 +153,7 @@ def make(args) -> tuple[MemoryPlan, ModelConfig]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache_max_entry_count=args.cache_max_entry_count,
         eager_mode=args.eager_mode,
+        speculative_config=speculative_from_args(args),
     )
     weights = None
     if mc.quantization or args.tp > 1:

@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 
-from steadylm.config import check_model_path
+from steadylm.config import SPECULATIVE_METHODS, check_model_path
 from steadylm.entrypoints import serve_compat
 from steadylm.errors import ConfigError
 
@@ -228,6 +228,19 @@ def _check_lmdeploy_values(args: argparse.Namespace) -> list[str]:
             f"--quant-policy {args.quant_policy}: steadylm's KV cache is the model dtype (0), "
             "int8 (8) or int4 (4); fp8 and turbo_quant are not supported",
             param="quant_policy",
+        )
+    if args.speculative_draft_model:
+        raise ConfigError(
+            f"--speculative-draft-model {args.speculative_draft_model}: draft models are not "
+            "supported yet; --speculative-algorithm ngram or suffix needs none",
+            param="speculative_draft_model",
+        )
+    alg = args.speculative_algorithm
+    if alg is not None and alg not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"--speculative-algorithm {alg}: steadylm runs ngram and suffix (no draft model, "
+            "EAGLE, MTP or DFlash yet)",
+            param="speculative_algorithm",
         )
     fmt = args.model_format
     if fmt is not None and fmt not in serve_compat.MODEL_FORMATS_READ:

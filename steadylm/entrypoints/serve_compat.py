@@ -202,17 +202,8 @@ REJECTED: tuple[CompatFlag, ...] = (
     CompatFlag("--dllm-denoising-steps", _DLLM, True, None, _INT),
     CompatFlag("--dllm-confidence-threshold", _DLLM, True, 0.85, _FLOAT),
     CompatFlag(
-        "--speculative-algorithm", "speculative decoding is not supported yet", True, None, _STR
-    ),
-    CompatFlag(
-        "--speculative-draft-model", "speculative decoding is not supported yet", True, None, _STR
-    ),
-    CompatFlag(
-        "--speculative-num-draft-tokens", "speculative decoding is not supported yet", True, 1, _INT
-    ),
-    CompatFlag(
         "--speculative-dflash-block-size",
-        "speculative decoding is not supported yet",
+        "DFlash speculative decoding is not supported (ngram and suffix are)",
         True,
         None,
         _INT,

@@ -84,6 +84,28 @@ def test_prefix_caching_chunking_and_preemption(model_dirs):
     assert [r.output_token_ids for r in reqs] == [hf_greedy(hf, p, 30) for p in prompts]
 
 
+def test_speculative_decoding_at_tp2(model_dirs):
+    """Drafts go to the workers in the contract; every rank scores them in one forward; only
+    rank 0 verifies. Greedy tokens as transformers, with a tight pool (preemption)."""
+    hf, path = model_dirs("llama")
+    prompts = [p * 2 for p in PROMPTS]  # repeats: drafts to accept
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": False,
+    }
+    engine = tp_engine(path, speculative_config=spec, num_gpu_blocks=30)
+    try:
+        reqs = engine.generate(prompts, GREEDY)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert [r.output_token_ids for r in reqs] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert stats.spec_decode.num_accepted_tokens > 0 and stats.num_preemptions > 0
+
+
 @pytest.mark.parametrize("arch,quant_policy", [("llama", 8), ("qwen3", 4)])
 def test_quantized_kv_cache_equals_tp1(arch, quant_policy, model_dirs):
     """int8 / int4 KV is not transformers-exact, so tp=2 is checked against tp=1: each rank

@@ -124,14 +124,16 @@ def test_seeded_row_does_not_depend_on_the_batch():
     ]
     sampler = Sampler(torch.device("cpu"), seed=3)
     others = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(5)]
-    target = Request("a", [1], params)
+    target, twin = Request("a", [1], params), Request("a", [1], params)
     seq_alone, seq_mixed = [], []
     s_alone = Sampler(torch.device("cpu"))
     for step in range(30):
-        seq_alone.append(s_alone(LOGITS[None], [target]).token_ids[0])
+        seq_alone.append(s_alone(LOGITS[None], [twin]).token_ids[0])
         batch = others[: step % 5] + [target] + others[step % 5 :]
         out = sampler(LOGITS.repeat(len(batch), 1), batch)
         seq_mixed.append(out.token_ids[batch.index(target)])
+        twin.append_output(seq_alone[-1])  # the noise follows the output position
+        target.append_output(seq_mixed[-1])
     assert seq_alone == seq_mixed
     assert seq_alone[0] == alone[0]
     assert len(set(seq_alone)) > 1  # it really samples

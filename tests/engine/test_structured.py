@@ -121,7 +121,8 @@ def test_grammar_state_survives_preemption_chunking_and_prefix_cache():
         run_to_end(engine)
         return [r.output_token_ids for r in reqs], engine, tok
 
-    roomy, _, tok = run(num_gpu_blocks=64, block_size=16)
+    # the tight pool holds 56 tokens, which caps session_len: the roomy run gets the same cap
+    roomy, _, tok = run(num_gpu_blocks=64, block_size=16, session_len=56)
     tight, engine, _ = run(
         num_gpu_blocks=14,
         block_size=4,

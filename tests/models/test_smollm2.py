@@ -27,6 +27,12 @@ QUESTIONS = [
     "What is 2 plus 3?",
 ]
 N = 24
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +82,23 @@ def _run(prompts, params, **kw):
         # 24 blocks of 4 tokens for four ~60-token sequences: requests are preempted and resume.
         dict(max_prefill_token_num=5, enable_prefix_caching=True, num_gpu_blocks=24),
         dict(quant_policy=0, max_batch_size=1),
+        # speculative decoding (every draft scored: the adaptive rule off), also chunked,
+        # cached and preempted
+        dict(speculative_config=dict(NGRAM, adaptive=False)),
+        dict(
+            speculative_config=dict(method="suffix", adaptive=False),
+            max_prefill_token_num=5,
+            enable_prefix_caching=True,
+            num_gpu_blocks=24,
+        ),
     ],
-    ids=["batched", "chunked-cached-preempted", "one-at-a-time"],
+    ids=[
+        "batched",
+        "chunked-cached-preempted",
+        "one-at-a-time",
+        "ngram",
+        "suffix-chunked-cached-preempted",
+    ],
 )
 def test_greedy_equals_transformers(prompts, reference, kw):
     want, _ = reference
@@ -87,6 +108,8 @@ def test_greedy_equals_transformers(prompts, reference, kw):
     stats = engine.stats()
     if kw.get("enable_prefix_caching"):
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    if kw.get("speculative_config"):
+        assert stats.spec_decode.num_accepted_tokens > 0
 
 
 def test_answers_are_right(tokenizer, reference):
@@ -132,6 +155,14 @@ def test_json_schema_output_on_a_real_prompt(tokenizer):
     answer = json.loads(tokenizer.decode(req.output_token_ids, skip_special_tokens=True))
     assert set(answer) == {"city", "country"}
     assert answer["city"] == "Paris" and answer["country"].lower() == "france"
+    # beside a speculating request, the same answer (a constrained request drafts nothing)
+    spec = LLMEngine.from_pretrained(
+        SMOLLM2, config.replace(speculative_config=dict(NGRAM, adaptive=False)), tokenizer
+    )
+    free = SamplingParams(max_new_tokens=48)
+    got, other = spec.generate([prompt, prompt], [params, free])
+    assert got.output_token_ids == req.output_token_ids
+    assert other.output_token_ids == engine.generate([prompt], free)[0].output_token_ids
 
 
 def test_forced_tool_call_through_the_server():

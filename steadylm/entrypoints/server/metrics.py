@@ -4,6 +4,7 @@ at scrape time, so they are never stale."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -57,6 +58,9 @@ class Metrics:
             registry=r,
         )
 
+        self.spec: object | None = None  # the engine's SpecStats at the last scrape
+        r.register(_SpecDecodeCollector(self))
+
     def observe_finished(
         self,
         finish_reason: str | None,
@@ -85,4 +89,33 @@ class Metrics:
         for kind, count in stats.fault_counts.items():  # a handful of exception types at most
             self.engine_faults.labels(kind).set(count)
         self.request_faults.set(stats.num_request_faults)
+        self.spec = stats.spec_decode
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding's counters, vLLM's series under our prefix (absent when it is
+    off): drafts (verify steps of a request that proposed), draft tokens, accepted tokens,
+    and accepted tokens by draft position."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.spec
+        if s is None:
+            return
+        for name, doc, value in (
+            ("num_drafts", "Verify steps of requests that proposed drafts", s.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"steadylm_spec_decode_{name}", doc, value=value)
+        per_pos = CounterMetricFamily(
+            "steadylm_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            labels=["position"],
+        )
+        for i, n in enumerate(s.accepted_per_pos):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
