@@ -73,6 +73,21 @@ class OneDNNDenseKernel(LinearKernel):
             else kernels.packed_linear_max_rows(self.gemv_address, self.in_features, weight.dtype)
         )
 
+    @classmethod
+    def tied(cls, weight: torch.Tensor) -> tuple[OneDNNDenseKernel, object] | None:
+        """An LM head tied to the embedding, on the CPU: its packed kernel and a reader of the
+        embedding's rows out of the same buffer (`kernels.packed_rows_reader`), so one copy
+        serves both. None where the packed layout cannot be read back (the dense weight stays
+        and the head runs F.linear, 2-3x slower at 1-16 rows)."""
+        if not cls.supports(weight):
+            return None
+        try:
+            kernel = cls(weight, None)
+        except RuntimeError:
+            return None
+        rows = kernels.packed_rows_reader(weight, kernel.weight)
+        return None if rows is None or kernel.gemv_address is None else (kernel, rows)
+
     def add_screen(self, weight: torch.Tensor) -> bool:
         """Keep an int8 copy of the weight for `greedy_tokens` (an LM head's; see
         kernels.build_screen) where the CPU and the layout take it; returns whether it did."""

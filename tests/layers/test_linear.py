@@ -64,6 +64,40 @@ def test_tied_lm_head_keeps_the_shared_embedding(model_dirs):
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_of_gemv_shapes_shares_one_packed_copy(dtype, tmp_path):
+    """With GEMV shapes (vocab and hidden multiples of 64) the tied head gets the packed
+    kernel and the embedding reads its rows back out of the same buffer: bit for bit the
+    checkpoint's rows, one copy of the matrix, and greedy tokens as transformers (fp32)."""
+    from steadylm.config import ModelConfig
+    from steadylm.loader import load_model
+    from tests.conftest import GEMV_SIZES, make_hf_model
+
+    if dtype == torch.bfloat16 and not platform.cpu_onednn_bf16():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU")
+    hf = make_hf_model("llama", vocab_size=256, **GEMV_SIZES)  # tied
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), ModelConfig.from_path(str(tmp_path)), dtype, "cpu")
+    kernel = model.lm_head.kernel
+    if kernel is None:
+        pytest.skip("oneDNN's packed layout here is not one packed_linear reads")
+    assert isinstance(kernel, OneDNNDenseKernel) and model.lm_head.weight is None
+    assert not hasattr(model.model.embed_tokens, "weight")  # one copy: the packed one
+    ids = torch.tensor([0, 1, 63, 64, 100, 255, 5, 5])
+    want = hf.model.embed_tokens.weight.detach().to(dtype)[ids]
+    assert torch.equal(model.model.embed_tokens(ids), want)
+    size = torch.tensor([], dtype=dtype).element_size()
+    assert kernel.num_bytes() == hf.model.embed_tokens.weight.numel() * size
+    # the checkpoint's bytes, the tied matrix counted once
+    assert model_weight_bytes(model) == sum(p.numel() for p in hf.parameters()) * size
+    if dtype == torch.float32:
+        prompt = [3, 17, 42, 5, 88, 61, 9, 23]
+        engine = engine_for(str(tmp_path))
+        got = engine.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        assert got[0].output_token_ids == hf_greedy(hf, prompt, 16)
+
+
+@needs_onednn
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_both_gemm_paths_match_transformers(arch, model_dirs, monkeypatch):
     hf, path = model_dirs(arch)
