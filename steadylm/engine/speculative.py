@@ -24,6 +24,9 @@ from steadylm.config import SpeculativeConfig
 
 MAX_CANDIDATES = 64  # most recent occurrences of the last window looked at per lookup
 SEPARATOR = -1  # between requests in the shared store: never matches a token
+# The shared store's size in tokens at most (about 100 bytes of index each): 10,000 cached
+# answers of 500 tokens would otherwise hold ~500 MB in a long-running server.
+MAX_STORE_TOKENS = 1 << 20
 
 
 class TokenIndex:
@@ -108,11 +111,11 @@ class NgramProposer:
 class SuffixProposer:
     """Suffix decoding: the longest match (up to `suffix_decoding_max_tree_depth` tokens) of the
     sequence's end, in the request's own tokens and in the outputs of recent finished requests
-    (a shared store of `suffix_decoding_max_cached_requests` outputs). Among the matches of
-    that length the most frequent next token is proposed, then the most frequent after it
-    among the matches that agree, while the path's probability (the product of those
-    frequencies) stays at least `suffix_decoding_min_token_prob`; at most
-    `suffix_decoding_max_spec_factor` times the match length, and at most k tokens."""
+    (a shared store of `suffix_decoding_max_cached_requests` outputs, `MAX_STORE_TOKENS` at
+    most). Among the matches of that length the most frequent next token is proposed, then
+    the most frequent after it among the matches that agree, while the path's probability
+    (the product of those frequencies) stays at least `suffix_decoding_min_token_prob`; at
+    most `suffix_decoding_max_spec_factor` times the match length, and at most k tokens."""
 
     GRAM = 2  # the shortest match that proposes anything
 
@@ -164,9 +167,13 @@ class SuffixProposer:
         self.stored[self._next_id] = list(output_token_ids)
         self._next_id += 1
         self.store.extend([*output_token_ids, SEPARATOR])
-        if len(self.stored) > self.max_cached:  # rebuild with the newer half
-            while len(self.stored) > self.max_cached // 2:
-                self.stored.popitem(last=False)
+        if len(self.stored) > self.max_cached or len(self.store) > MAX_STORE_TOKENS:
+            # rebuild with the newer half (of the requests, and of the tokens)
+            total = sum(map(len, self.stored.values()))
+            while self.stored and (
+                len(self.stored) > self.max_cached // 2 or total > MAX_STORE_TOKENS // 2
+            ):
+                total -= len(self.stored.popitem(last=False)[1])
             self.store = TokenIndex(self.GRAM)
             for out in self.stored.values():
                 self.store.extend([*out, SEPARATOR])

@@ -376,3 +376,15 @@ def test_drafts_never_cause_a_preemption(model_dirs):
     engine = engine_for(path, speculative_config=NGRAM, **kw)
     assert outputs(generate(engine, ps, GREEDY)) == ref
     assert engine.stats().num_preemptions <= base.stats().num_preemptions
+
+
+def test_the_suffix_store_is_bounded_in_tokens(monkeypatch):
+    from steadylm.engine import speculative
+
+    monkeypatch.setattr(speculative, "MAX_STORE_TOKENS", 100)
+    p = SuffixProposer(SpeculativeConfig(method="suffix"))
+    for i in range(30):
+        p.finish(f"r{i}", [1000 + i] * 10)
+    assert len(p.store) <= 100 + 11  # the bound, plus the answer that crossed it
+    assert p.propose("x", [1029, 1029], 4) != []  # the newest stay
+    assert p.propose("y", [1000, 1000], 4) == []  # the oldest left
