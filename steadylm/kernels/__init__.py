@@ -459,33 +459,18 @@ def packed_linear_address(weight: torch.Tensor, packed: torch.Tensor) -> int | N
     return None
 
 
-def packed_rows_reader(weight: torch.Tensor, packed: torch.Tensor):
-    """A function ids (T,) -> the rows weight[ids] (T, K), read back out of `packed` (oneDNN's
-    reorder of `weight`, (N, K)) where its buffer holds one of the layouts `packed_linear`
-    reads; None otherwise. So an embedding tied to an LM head can share the head's packed
-    copy instead of keeping the dense one beside it. The reader keeps `packed` alive."""
-    n, k = weight.shape
-    dt = weight.dtype
-    if n % 64 or k % 16 or dt not in (torch.float32, torch.bfloat16):
-        return None
-    try:
-        _, raw = _packed_buffer(packed, dt)
-    except (RuntimeError, AttributeError, ValueError):
-        return None
-    if raw.numel() != n * k:
-        return None
-    bits = weight.view(raw.dtype)
-    if dt == torch.float32:  # (N / 64, K, 64)
-        if not torch.equal(raw.view(n // 64, k, 64), bits.view(n // 64, 64, k).transpose(1, 2)):
-            return None
-        blocks = raw.view(n // 64, k, 64).view(dt)
+def packed_rows_reader(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype, address: int):
+    """A function ids (T,) -> the rows weight[ids] (T, K) of the (N, K) weight that `packed`
+    holds, read back out of its buffer, given the `address` `packed_linear_address` returned
+    for it (so the layout is one it verified bit for bit): an embedding tied to an LM head
+    shares the head's packed copy instead of keeping the dense one. Keeps `packed` alive."""
+    _, raw = _packed_buffer(packed, dtype)
+    if dtype == torch.float32:  # (N / 64, K, 64)
+        blocks = raw.view(n // 64, k, 64).view(dtype)
         return lambda ids, _keep=packed: blocks[ids // 64, :, ids % 64]
-    for cols in (64, 32):  # (N / cols, K / 2, cols, 2)
-        expect = bits.view(n // cols, cols, k // 2, 2).transpose(1, 2)
-        if torch.equal(raw.view(n // cols, k // 2, cols, 2), expect):
-            blocks = raw.view(n // cols, k // 2, cols, 2).view(dt)
-            return lambda ids, _keep=packed, c=cols: blocks[ids // c, :, ids % c].reshape(-1, k)
-    return None
+    cols = 32 if address & LAYOUT32 else 64  # (N / cols, K / 2, cols, 2)
+    blocks = raw.view(n // cols, k // 2, cols, 2).view(dtype)
+    return lambda ids, _keep=packed: blocks[ids // cols, :, ids % cols].reshape(-1, k)
 
 
 def packed_linear(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -85,8 +85,12 @@ class OneDNNDenseKernel(LinearKernel):
             kernel = cls(weight, None)
         except RuntimeError:
             return None
-        rows = kernels.packed_rows_reader(weight, kernel.weight)
-        return None if rows is None or kernel.gemv_address is None else (kernel, rows)
+        if kernel.gemv_address is None:
+            return None
+        n, k = weight.shape
+        return kernel, kernels.packed_rows_reader(
+            kernel.weight, n, k, weight.dtype, kernel.gemv_address
+        )
 
     def add_screen(self, weight: torch.Tensor) -> bool:
         """Keep an int8 copy of the weight for `greedy_tokens` (an LM head's; see
