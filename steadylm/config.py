@@ -63,6 +63,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict[str, Any] | None = None
+    # Mixture of experts (0 experts: a dense model). `moe_layers` are the layers whose MLP is
+    # the sparse block (the rest are dense MLPs of `intermediate_size`); each expert is an MLP
+    # of `moe_intermediate_size`; Qwen2-MoE adds a gated shared expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -72,6 +81,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: dict | None = None) -> ModelConfig:
@@ -96,6 +109,7 @@ class ModelConfig:
         if quant is not None and not isinstance(quant, dict):
             quant = quant.to_dict()
         return cls(
+            **_moe_fields(archs[0], hf_config),
             architecture=archs[0],
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -142,6 +156,41 @@ class ModelConfig:
             with open(gen_file) as f:
                 gen = json.load(f)
         return cls.from_hf(hf_config, gen)
+
+
+def _moe_fields(arch: str, hf: Any) -> dict[str, Any]:
+    """The mixture-of-experts numbers, read as transformers' modeling files read them: Mixtral
+    (every layer sparse, experts of `intermediate_size`, top-k always renormalised), Qwen2-MoE
+    and Qwen3-MoE (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`; Qwen2-MoE's
+    shared expert)."""
+    if arch == "MixtralForCausalLM":
+        n = hf.num_local_experts
+        return dict(
+            num_experts=n,
+            num_experts_per_tok=hf.num_experts_per_tok,
+            moe_intermediate_size=hf.intermediate_size,
+            norm_topk_prob=True,
+            moe_layers=tuple(range(hf.num_hidden_layers)) if n > 0 else (),
+        )
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    n, step = hf.num_experts, getattr(hf, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    layers = tuple(
+        i for i in range(hf.num_hidden_layers) if i not in dense and n > 0 and (i + 1) % step == 0
+    )
+    return dict(
+        num_experts=n,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=(
+            getattr(hf, "shared_expert_intermediate_size", 0) or 0
+            if arch == "Qwen2MoeForCausalLM"
+            else 0
+        ),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        moe_layers=layers,
+    )
 
 
 def check_model_path(path: str) -> None:

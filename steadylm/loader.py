@@ -190,6 +190,9 @@ def _check_missing(missing_pairs: set, files: list[str]) -> None:
 
 
 def _map_name(model: nn.Module, name: str) -> tuple[str, int | None]:
+    mapped = model.map_weight_name(name)
+    if mapped is not None:
+        return mapped
     for frag, (merged, shard) in model.packed_modules.items():
         if f".{frag}." in name:
             return name.replace(f".{frag}.", f".{merged}."), shard

@@ -71,12 +71,18 @@ def _split_problem(cfg: ModelConfig, tp: int) -> str | None:
             f"{cfg.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide "
             f"{tp} (to hold one replicated KV head per rank)"
         )
-    if cfg.intermediate_size % tp:
-        return f"intermediate_size {cfg.intermediate_size} does not split evenly over {tp} ranks"
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(cfg, name) % tp:
+            return f"{name} {getattr(cfg, name)} does not split evenly over {tp} ranks"
     group = awq_group_size(cfg)
     if group is None or tp == 1:
         return None
-    for name, k in (("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)):
+    inputs = [("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)]
+    if cfg.is_moe:
+        inputs.append(("an expert's down_proj", cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        inputs.append(("shared_expert.down_proj", cfg.shared_expert_intermediate_size))
+    for name, k in inputs:
         if (k // tp) % group:
             return (
                 f"{name} splits its {k} inputs into {k // tp} per rank: the split cuts an AWQ "
@@ -141,8 +147,6 @@ def weight_bytes_from_config(
     per_layer = (
         lb(c, qkv)  # merged qkv_proj
         + lb(q, c)
-        + lb(c, 2 * inter)  # merged gate_up_proj
-        + lb(inter, c)
         + 2 * c * dtype_bytes
     )
     if cfg.architecture.startswith("Qwen2") or cfg.attention_bias:
@@ -151,9 +155,42 @@ def weight_bytes_from_config(
         per_layer += c * dtype_bytes  # o_proj's bias
     if cfg.qk_norm:
         per_layer += 2 * cfg.head_dim * dtype_bytes
+    mlp = lambda i: lb(c, 2 * i) + lb(i, c)  # merged gate_up_proj, down_proj  # noqa: E731
+    moe = cfg.num_experts * mlp(cfg.moe_intermediate_size // tp)
+    moe += cfg.num_experts * c * dtype_bytes  # the router, whole on every rank (never AWQ)
+    if cfg.shared_expert_intermediate_size:
+        moe += mlp(cfg.shared_expert_intermediate_size // tp) + c * dtype_bytes  # + its gate
+    sparse = len(cfg.moe_layers)
+    mlps = sparse * moe + (cfg.num_layers - sparse) * mlp(inter)
     embed = vocab * c * dtype_bytes
     head = 0 if cfg.tie_word_embeddings else embed
-    return cfg.num_layers * per_layer + embed + head + c * dtype_bytes
+    return cfg.num_layers * per_layer + mlps + embed + head + c * dtype_bytes
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of the whole model, from the architecture. Active,
+    as model cards count it: everything but the experts a token does not take (in each sparse
+    layer: the router, `num_experts_per_tok` experts and the shared expert), the embedding and
+    the LM head included."""
+    c, d = cfg.hidden_size, cfg.head_dim
+    attn = c * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * c + 2 * c
+    if cfg.architecture.startswith("Qwen2") or cfg.attention_bias:
+        attn += cfg.q_size + 2 * cfg.kv_size
+    if cfg.qk_norm:
+        attn += 2 * d
+    mlp = lambda i: 3 * c * i  # noqa: E731
+    sparse = len(cfg.moe_layers)
+    dense = (cfg.num_layers - sparse) * mlp(cfg.intermediate_size)
+    shared = cfg.shared_expert_intermediate_size
+    shared = mlp(shared) + c if shared else 0  # + its gate
+    router = cfg.num_experts * c
+    expert = mlp(cfg.moe_intermediate_size)
+    embed = cfg.vocab_size * c
+    common = cfg.num_layers * attn + dense + sparse * (router + shared) + c + embed
+    head = 0 if cfg.tie_word_embeddings else embed
+    total = common + sparse * cfg.num_experts * expert + head
+    active = common + sparse * cfg.num_experts_per_tok * expert + head
+    return total, active
 
 
 def awq_group_size(cfg: ModelConfig) -> int | None:
@@ -189,6 +226,9 @@ def activation_bytes(
     stream = 4 * t * c * dtype_bytes
     qkv = t * (q + 2 * kv) * dtype_bytes + t * q * dtype_bytes
     mlp = 3 * t * inter * dtype_bytes
+    if cfg.is_moe:  # the fused kernel's (T k, 2I), (T k, I) and (T k, C) buffers
+        routed = t * cfg.num_experts_per_tok
+        mlp = max(mlp, routed * (3 * cfg.moe_intermediate_size // tp + c) * dtype_bytes)
     attn = 2 * workspace_tokens(max_context) * kv * dtype_bytes + t * max_context
     rows = min(max_batch_size, t)
     local = 0 if tp == 1 else rows * vocab * 4  # at tp=1 the local logits are the full ones

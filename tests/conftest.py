@@ -51,6 +51,9 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+# Mixture-of-experts architectures (tests/models/test_moe.py): 8 experts, top 2.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 # Layer sizes the packed CPU GEMV and the AWQ layout take (every linear's output a multiple of
 # 64, its input of 16 and of the AWQ group).
 GEMV_SIZES = dict(
@@ -90,9 +93,26 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     elif arch == "mistral":
         cfg = tf.MistralConfig(sliding_window=24, **kw)
         cls = tf.MistralForCausalLM
+    elif arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers)
+        moe = {**MOE, "num_experts": 8, "norm_topk_prob": True, "mlp_only_layers": [1]}
+        cfg = tf.Qwen3MoeConfig(**{**moe, **kw})
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "qwen2_moe":  # with the gated shared expert
+        moe = {**MOE, "num_experts": 8, "shared_expert_intermediate_size": 40}
+        cfg = tf.Qwen2MoeConfig(**{**moe, **kw})
+        cls = tf.Qwen2MoeForCausalLM
+    elif arch == "mixtral":  # experts of intermediate_size
+        moe = {"num_local_experts": 8, "num_experts_per_tok": 2}
+        cfg = tf.MixtralConfig(**{**moe, **kw})
+        cls = tf.MixtralForCausalLM
     else:
         raise ValueError(arch)
     model = cls(cfg).eval()
+    if arch in MOE_ARCHS:  # a router that routes: each token's experts differ
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    p.normal_(0, 1.0)
     if arch == "qwen2":  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:

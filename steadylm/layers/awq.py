@@ -214,6 +214,7 @@ class AWQLinear(nn.Module):
         bias: bool,
         group: int,
         split: Split | None = None,
+        reduce_results: bool = True,
     ):
         super().__init__()
         group = in_features if group == -1 else group
@@ -242,6 +243,9 @@ class AWQLinear(nn.Module):
         self.output_sizes = sizes
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.reduce = split.inp is not None  # row-parallel: sum partial outputs, then the bias
+        self.reduce_results = reduce_results  # False: the caller all-reduces (Linear's flag)
+        if bias and self.reduce and not reduce_results:
+            raise ValueError("a row-parallel linear with a bias must reduce its results")
         g = k // group
         # (param, output dim, output pack, input dim, input pack)
         self.qweight = self._param(torch.empty(k, n // 8, dtype=torch.int32), 8, 1)
@@ -304,6 +308,6 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.apply(x)
-        if self.reduce:
+        if self.reduce and self.reduce_results:
             y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y

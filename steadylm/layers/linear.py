@@ -165,12 +165,17 @@ class Linear(nn.Module):
     `in_features` / `out_features` are this rank's sizes."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, split: Split | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        split: Split | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
-        self._build(in_features, split or Split.whole([out_features]), bias)
+        self._build(in_features, split or Split.whole([out_features]), bias, reduce_results)
 
-    def _build(self, in_features: int, split: Split, bias: bool) -> None:
+    def _build(self, in_features: int, split: Split, bias: bool, reduce_results=True) -> None:
         self.split = split
         self.in_features = split.inp.size if split.inp is not None else in_features
         self.full_in_features = in_features
@@ -178,6 +183,11 @@ class Linear(nn.Module):
         self.output_sizes = [s.size for s in split.out]
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         self.reduce = split.inp is not None  # row-parallel: sum the partial outputs
+        # vLLM's RowParallelLinear(reduce_results=False): return this rank's partial sum, the
+        # caller all-reduces it with others (a MoE block's experts and shared expert: once).
+        self.reduce_results = reduce_results
+        if bias and self.reduce and not reduce_results:
+            raise ValueError("a row-parallel linear with a bias must reduce its results")
         self.weight = nn.Parameter(
             torch.empty(self.out_features, self.in_features), requires_grad=False
         )
@@ -231,6 +241,8 @@ class Linear(nn.Module):
                 return self.kernel.apply(x)
             return F.linear(x, self.weight, self.bias)
         y = self.kernel.apply(x) if self.kernel is not None else F.linear(x, self.weight)
+        if not self.reduce_results:
+            return y
         y = parallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -257,10 +269,12 @@ def make_linear(
     bias: bool,
     names: list[str],
     split: Split | None = None,
+    reduce_results: bool = True,
 ) -> nn.Module:
     """The linear layer for checkpoint modules `names` (their full dotted names): AWQ when the
     checkpoint is AWQ-quantized and none of them is in modules_to_not_convert, else dense.
-    `split`: this rank's part (default: the whole layer)."""
+    `split`: this rank's part (default: the whole layer); `reduce_results=False`: a
+    row-parallel layer returns its partial sums (the caller all-reduces)."""
     split = split or Split.whole(output_sizes)
     quant = cfg.quantization
     if quant:
@@ -269,7 +283,7 @@ def make_linear(
         group = check_awq_config(quant)
         skip = quant.get("modules_to_not_convert") or []
         if not any(s in n for s in skip for n in names):
-            return AWQLinear(in_features, output_sizes, bias, group, split)
+            return AWQLinear(in_features, output_sizes, bias, group, split, reduce_results)
     if len(output_sizes) == 1:
-        return Linear(in_features, output_sizes[0], bias, split)
+        return Linear(in_features, output_sizes[0], bias, split, reduce_results)
     return MergedLinear(in_features, output_sizes, bias, split)

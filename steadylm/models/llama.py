@@ -80,10 +80,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, **attn_flags: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module, **attn_flags: bool):
         super().__init__()
         self.self_attn = Attention(cfg, layer, **attn_flags)
-        self.mlp = MLP(cfg, layer)
+        self.mlp = mlp  # a dense MLP, or a sparse MoE block (layers/moe.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -134,11 +134,12 @@ class Embedding(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, **attn_flags: bool):
+    def __init__(self, cfg: ModelConfig, make_mlp, **attn_flags: bool):
+        """make_mlp(cfg, layer) -> that layer's MLP module."""
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, **attn_flags) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, make_mlp(cfg, i), **attn_flags) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
@@ -224,6 +225,8 @@ class NativeDecode:
         eps = {model.norm.eps}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if type(mlp) is not MLP:  # a MoE block: the module path
+                return None
             eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.q_norm is not None or any(
@@ -289,10 +292,20 @@ class LlamaForCausalLM(nn.Module):
     def attn_flags(cls, cfg: ModelConfig) -> dict[str, bool]:
         return {"qkv_bias": cfg.attention_bias, "o_bias": cfg.attention_bias, "qk_norm": False}
 
+    @classmethod
+    def make_mlp(cls, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP (a mixture-of-experts model returns its sparse block)."""
+        return MLP(cfg, layer)
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        """(parameter name, shard) for a checkpoint tensor name the `packed_modules` fragments
+        do not cover, or None to use them."""
+        return None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, **self.attn_flags(cfg))
+        self.model = DecoderModel(cfg, self.make_mlp, **self.attn_flags(cfg))
         # Vocab-parallel like the embedding: each rank computes its block of the logits.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, split=Split.vocab(cfg.vocab_size))
         self.lm_head.greedy_screen = parallel.world_size() == 1

@@ -7,7 +7,7 @@ import importlib
 from steadylm.errors import ModelLoadError
 
 _REGISTRY: dict[str, type] = {}
-_MODULES = ("llama", "qwen2", "qwen3", "mistral")
+_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def register(*names: str):
