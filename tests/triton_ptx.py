@@ -59,7 +59,7 @@ from steadylm.attention.base import (  # noqa: E402
     AttentionGroup,
     AttentionMetadata,
 )
-from steadylm.kernels import triton_awq, triton_ops  # noqa: E402
+from steadylm.kernels import triton_awq, triton_moe, triton_ops  # noqa: E402
 
 
 def attention(dtype, quant, heads, kv_heads, head_dim, q_lens, ctx, window=None, segments=None):
@@ -83,6 +83,17 @@ def awq(dtype, m, k, n, group, split):
         torch.zeros(k // group, n, dtype=torch.float16),
         group,
         split_k=split,
+    )
+
+
+def fused_moe(dtype, tokens, hidden, intermediate, experts, top_k):
+    ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
+    triton_moe.fused_experts(
+        torch.zeros(tokens, hidden, dtype=dtype),
+        torch.zeros(experts, 2 * intermediate, hidden, dtype=dtype),
+        torch.zeros(experts, hidden, intermediate, dtype=dtype),
+        torch.zeros(tokens, top_k, dtype=dtype),
+        ids,
     )
 
 
@@ -111,6 +122,9 @@ def cases():
         for m in (1, 64, 300):
             yield awq, (dtype, m, 4096, 1024, 128, None), {}
         yield awq, (dtype, 1, 512, 256, 32, 4), {}
+        for tokens in (1, 300):  # Qwen3-30B-A3B (decode, prefill) and Mixtral-8x7B
+            yield fused_moe, (dtype, tokens, 2048, 768, 128, 8), {}
+        yield fused_moe, (dtype, 2, 4096, 14336, 8, 2), {}
         yield small_ops, (dtype, 1, 5120, 40, 128), {}  # a 32B model's shapes
         yield small_ops, (dtype, 3, 896, 14, 64), {}  # Qwen2.5-0.5B
         yield small_ops, (dtype, 2, 8192, 64, 80), {}

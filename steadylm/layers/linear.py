@@ -197,7 +197,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
             self.bias.weight_loader = self._load
         self.kernel: LinearKernel | None = None
-        self.shared_weight = False  # tied to the embedding: keep the dense parameter
+        # Tied to the embedding, or a view of a MoE block's stacked experts: keep the dense
+        # parameter (no kernel of its own).
+        self.shared_weight = False
         # An LM head: also keep an int8 copy for greedy steps (OneDNNDenseKernel.add_screen).
         self.greedy_screen = False
 

@@ -21,6 +21,7 @@ once: the routed experts' partial sums plus the (gated) shared expert's.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from steadylm import kernels, parallel, platform
@@ -88,6 +89,18 @@ def experts_reference(
     return out
 
 
+def stacked_experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`experts_reference` over stacked weights, w13 (E, 2I, H) and w2 (E, H, I): the oracle
+    of the fused kernel (`kernels/triton_moe.py`)."""
+    experts = [
+        lambda v, e=e: F.linear(kernels.silu_and_mul_ref(F.linear(v, w13[e])), w2[e])
+        for e in range(w13.shape[0])
+    ]
+    return experts_reference(x, weights, ids, experts)
+
+
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: router, `num_experts` experts of which each token takes
     `num_experts_per_tok`, and (Qwen2-MoE) a shared expert gated by sigmoid(x w_g)."""
@@ -143,8 +156,9 @@ class SparseMoeBlock(nn.Module):
         w13 = torch.stack([ex.gate_up_proj.weight.data for ex in self.experts])
         w2 = torch.stack([ex.down_proj.weight.data for ex in self.experts])
         for i, ex in enumerate(self.experts):
-            ex.gate_up_proj.weight = nn.Parameter(w13[i], requires_grad=False)
-            ex.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
+            for lin, w in ((ex.gate_up_proj, w13[i]), (ex.down_proj, w2[i])):
+                lin.weight = nn.Parameter(w, requires_grad=False)
+                lin.shared_weight = True  # a view of the stack: no packed copy of its own
         self.stacked = (w13, w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +166,7 @@ class SparseMoeBlock(nn.Module):
         if self.stacked is not None:
             from steadylm.kernels.triton_moe import fused_experts  # triton imports where used
 
-            out = fused_experts(x, *self.stacked, weights, ids)
+            out = fused_experts(x.contiguous(), *self.stacked, weights, ids)
         else:
             out = experts_reference(x, weights, ids, self.experts)
         if self.shared_expert is not None:

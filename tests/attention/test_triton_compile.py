@@ -41,13 +41,14 @@ def test_every_kernel_compiles_for_the_gpu(sm, tmp_path):
     report = json.loads(lines[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert proc.returncode == 0
-    # every kernel compiled: store, attention (with and without the split), merge, AWQ, and
+    # every kernel compiled: store, attention (with and without the split), merge, AWQ, MoE, and
     # the small ops of a decoder layer
     assert set(report["kernels"]) == {
         "_store_kv_kernel",
         "_attention_kernel",
         "_merge_segments_kernel",
         "_awq_gemm_kernel",
+        "_moe_gemm_kernel",
         "_rms_norm_kernel",
         "_silu_and_mul_kernel",
         "_rotary_kernel",

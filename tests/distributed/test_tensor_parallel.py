@@ -15,7 +15,7 @@ from steadylm.config import EngineConfig, ModelConfig
 from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import SamplingParams
 from steadylm.errors import ConfigError, ModelLoadError
-from tests.conftest import STORIES, engine_for, hf_greedy, make_hf_model, needs_shared
+from tests.conftest import MOE_ARCHS, STORIES, engine_for, hf_greedy, make_hf_model, needs_shared
 
 PROMPTS = [
     [3, 17, 42, 5, 88, 61, 9, 23, 11, 70, 2, 33, 45],
@@ -45,7 +45,7 @@ def assert_exact_plan(engine: LLMEngine) -> None:
         assert r.kv_cache_bytes == engine.plan.kv_cache_bytes, r
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", *MOE_ARCHS])
 def test_tp2_greedy_equals_transformers(arch, model_dirs):
     """Chunked prefill (5-token chunks) and a batch of three, as in the tp=1 parity test."""
     hf, path = model_dirs(arch)

@@ -4,6 +4,9 @@ and int8 / int4 KV; the routing rule; the config's sparse layers; the plan's byt
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -174,3 +177,67 @@ def test_engine_runs_to_end_with_sampling(model_dirs):
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.8, seed=i))
     run_to_end(engine)
+
+
+_QUANTIZED = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_awq_moe_checkpoint_matches_dequantized_transformers(arch, kernel, tmp_path, monkeypatch):
+    """Every linear of the checkpoint (attention, each expert's, the dense layer's) quantized
+    as benchmarks/make_awq_model.py does, the router left dense: the experts stay 4-bit and
+    the logits are the dequantized model's (the reference kernel exactly; torch's int4 kernel
+    within its bf16 rounding, as the dense AWQ test)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from steadylm.layers.awq import AWQLinear
+    from tests.conftest import GEMV_SIZES
+    from tests.test_awq import awq_quantize
+
+    monkeypatch.setattr(AWQLinear, "kernel_choice", kernel)
+    shapes = dict(GEMV_SIZES, vocab_size=256, moe_intermediate_size=64)
+    if arch == "mixtral":
+        shapes["intermediate_size"] = 64
+    dense_dir, deq_dir, awq_dir = (tmp_path / n for n in ("dense", "deq", "awq"))
+    make_hf_model(arch, **shapes).save_pretrained(dense_dir)
+    deq, awq = {}, {}
+    for name, t in load_file(dense_dir / "model.safetensors").items():
+        if _QUANTIZED.search(name):
+            base = name[: -len(".weight")]
+            qw, qz, sc, w = awq_quantize(t, 64)
+            awq.update({f"{base}.qweight": qw, f"{base}.qzeros": qz, f"{base}.scales": sc})
+            deq[name] = w
+        else:
+            awq[name] = deq[name] = t.half().float()
+    for d, tensors in ((deq_dir, deq), (awq_dir, awq)):
+        d.mkdir()
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dense_dir / "config.json").read_text())
+    (deq_dir / "config.json").write_text(json.dumps(cfg))
+    cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 64,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    (awq_dir / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
+    engine = engine_for(str(awq_dir))
+    block = next(m for m in engine.runner.model.modules() if isinstance(m, moe.SparseMoeBlock))
+    assert isinstance(block.experts[0].down_proj, AWQLinear)
+    if kernel == "auto":  # the plan counts the 4-bit layout held (and the LM head's copy)
+        assert model_weight_bytes(engine.runner.model) == engine.plan.weight_bytes
+    logits = engine.score(PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+    err = float((logits - ref).abs().max() / ref.abs().max())
+    assert err < (1e-5 if kernel == "reference" else 8e-2), err
+    if kernel == "reference":
+        out = engine.generate([PROMPT], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+        assert out.output_token_ids == hf_greedy(hf, PROMPT, 16)
