@@ -65,7 +65,11 @@ _NO_GRAPH = (
     "eager_mode=True turns them off"
 )
 _NO_DOWNLOAD = "steadylm never downloads; pass a local model directory"
-_MOE = "steadylm has no mixture-of-experts models"
+_EP = (
+    "no expert parallelism: steadylm splits every expert's intermediate dim over the tp ranks "
+    "(vLLM's default for MoE models); set tp"
+)
+_ROUTED = "the experts a token was routed to are not returned"
 
 
 @dataclass
@@ -117,7 +121,7 @@ class GenerationConfig:
         "with_cache": (NO_EFFECT, _DISAGG),
         "preserve_cache": (NO_EFFECT, _DISAGG),
         "migration_request": (REJECTED, _DISAGG),
-        "return_routed_experts": (REJECTED, _MOE),
+        "return_routed_experts": (REJECTED, _ROUTED),
         "repetition_ngram_size": (REJECTED, "n-gram repetition early stop is not supported"),
         "repetition_ngram_threshold": (
             REJECTED,
@@ -523,10 +527,10 @@ class PytorchEngineConfig:
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "dp": (REJECTED, "data parallelism is not supported; run one engine per replica"),
         "dp_rank": (REJECTED, "data parallelism is not supported"),
-        "ep": (REJECTED, _MOE),
+        "ep": (REJECTED, _EP),
         "attn_tp_size": (REJECTED, _TP),
         "mlp_tp_size": (REJECTED, _TP),
-        "moe_tp_size": (REJECTED, _MOE),
+        "moe_tp_size": (REJECTED, "the experts are split over all tp ranks, like the dense layers"),
         "prefill_interval": (
             NO_EFFECT,
             "steadylm schedules prefill chunks in every step, within max_prefill_token_num",
@@ -550,14 +554,17 @@ class PytorchEngineConfig:
         "distributed_executor_backend": (NO_EFFECT, _TP_PROCS),
         "empty_init": (REJECTED, "skipping weight loading would change every result"),
         "enable_microbatch": (NO_EFFECT, "a scheduling detail of LMDeploy's engine"),
-        "enable_eplb": (NO_EFFECT, _MOE),
+        "enable_eplb": (
+            NO_EFFECT,
+            "expert load balancing needs expert parallelism (ep), which steadylm has not",
+        ),
         "enable_mp_engine": (NO_EFFECT, "steadylm's engine loop runs in a background thread"),
         "mp_engine_backend": (NO_EFFECT, "steadylm's engine loop runs in a background thread"),
         "enable_metrics": (NO_EFFECT, "the server always exports /metrics"),
         "hf_overrides": (REJECTED, "overriding the model config would change results"),
         "language_model_only": (NO_EFFECT, _NO_VISION),
         "logprobs_mode": (REJECTED, "logprobs are those of the processed distribution only"),
-        "enable_return_routed_experts": (REJECTED, _MOE),
+        "enable_return_routed_experts": (REJECTED, _ROUTED),
         "enable_transfer_obj_ref": (NO_EFFECT, "an LMDeploy-internal transfer option"),
         "dllm_block_length": (REJECTED, "diffusion language models are not supported"),
         "dllm_unmasking_strategy": (REJECTED, "diffusion language models are not supported"),
@@ -643,7 +650,7 @@ class TurbomindEngineConfig:
         "gemm_input_dtype": (REJECTED, "GEMM inputs run in the model dtype"),
         "dp": (REJECTED, "data parallelism is not supported; run one engine per replica"),
         "cp": (REJECTED, "context parallelism is not supported"),
-        "ep": (REJECTED, _MOE),
+        "ep": (REJECTED, _EP),
         "device_num": (NO_EFFECT, "tp is the number of devices"),
         "attn_tp_size": (REJECTED, _TP),
         "attn_cp_size": (REJECTED, "context parallelism is not supported"),
@@ -673,7 +680,7 @@ class TurbomindEngineConfig:
         "empty_init": (REJECTED, "skipping weight loading would change every result"),
         "language_model_only": (NO_EFFECT, _NO_VISION),
         "communicator": (NO_EFFECT, "NCCL on CUDA and gloo on CPU, chosen by the device"),
-        "moe_a2a_backend": (NO_EFFECT, _MOE),
+        "moe_a2a_backend": (NO_EFFECT, "no expert parallelism, so no all-to-all between ranks"),
         "hf_overrides": (REJECTED, "overriding the model config would change results"),
         "enable_metrics": (NO_EFFECT, "the server always exports /metrics"),
     }

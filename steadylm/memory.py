@@ -236,6 +236,13 @@ def activation_bytes(
     return stream + qkv + max(mlp, attn) + logits
 
 
+def graph_blocker(mc: ModelConfig) -> str | None:
+    """Why this model's decode step cannot be captured in a CUDA graph, or None."""
+    if mc.is_moe and mc.quantization:
+        return "AWQ experts run one by one (counting each expert's tokens syncs with the host)"
+    return None
+
+
 def graph_buckets(max_batch_size: int) -> list[int]:
     """The decode CUDA graphs' batch sizes: 1, 2, 4, ... below max_batch_size, then it."""
     sizes = [1 << i for i in range(max(1, max_batch_size).bit_length()) if 1 << i < max_batch_size]
@@ -420,6 +427,9 @@ def plan_memory(
     session_len = ec.session_len or mc.max_position_embeddings
     if cuda_graphs is None:
         cuda_graphs = not is_cpu and not ec.eager_mode and tp == 1
+        if cuda_graphs and graph_blocker(mc):
+            cuda_graphs = False
+            notes.append(f"decode runs eagerly, without CUDA graphs: {graph_blocker(mc)}")
     graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp) if cuda_graphs else 0
     n = ec.max_prefill_token_num
     spec = ec.speculative_config

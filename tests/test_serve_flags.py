@@ -151,7 +151,7 @@ REFUSED = {
         "diffusion",
         ["--dllm-confidence-threshold", "0.85"],
     ),
-    "--enable-return-routed-experts": (["--enable-return-routed-experts"], "MoE", None),
+    "--enable-return-routed-experts": (["--enable-return-routed-experts"], "routed", None),
     "--hf-overrides": (["--hf-overrides", '{"a": 1}'], "config.json", None),
     "--dp": (["--dp", "2"], "data parallelism", ["--dp", "1"]),
     "--ep": (["--ep", "2"], "expert parallelism", ["--ep", "1"]),

@@ -29,7 +29,7 @@ from steadylm.engine.speculative import SpecStats, Speculator
 from steadylm.engine.step import ContractBuilder, StepContract
 from steadylm.engine.structured import StructuredOutputManager
 from steadylm.errors import ConfigError, EngineDeadError, RequestError
-from steadylm.memory import MemoryPlan, plan_memory
+from steadylm.memory import MemoryPlan, graph_blocker, plan_memory
 
 logger = logging.getLogger("steadylm")
 
@@ -626,7 +626,7 @@ class LLMEngine:
         )
 
 
-def _captures_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+def _captures_cuda_graphs(mc: ModelConfig, config: EngineConfig, device: torch.device) -> bool:
     """Decode CUDA graphs run on CUDA at tp=1 with the Triton attention backend, unless
     eager_mode. At tp > 1 a replayed graph's all-reduces would run outside the collective
     timeout that turns a dead rank into an error, so those engines decode eagerly."""
@@ -637,6 +637,8 @@ def _captures_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
         why = "tp > 1 (a replayed graph's all-reduces would bypass --dist-timeout-s)"
     elif platform.attention_backend(device) != "triton":
         why = "the torch attention backend plans on the host (STEADYLM_ATTENTION_BACKEND)"
+    else:
+        why = graph_blocker(mc)
     if why:
         logger.info("decode runs eagerly, without CUDA graphs: %s", why)
     return why is None
@@ -658,7 +660,7 @@ def make_plan(
         weight_bytes=weight_bytes,
         is_cpu=device.type == "cpu",
         local_ranks=parallel.local_ranks(config.tp),
-        cuda_graphs=_captures_cuda_graphs(config, device),
+        cuda_graphs=_captures_cuda_graphs(mc, config, device),
     )
     logger.info("%s", plan.table())
     for note in plan.notes:

@@ -19,6 +19,7 @@ from steadylm.memory import (
     MemoryPlan,
     awq_layout,
     fmt_bytes,
+    parameter_counts,
     plan_memory,
     tp_shape,
     weight_bytes_from_config,
@@ -198,10 +199,13 @@ def _torch_dtype(name: str) -> torch.dtype:
 def run(args: argparse.Namespace) -> int:
     plan, mc = make(args)
     n = max(1, args.concurrency)
+    total, active = parameter_counts(mc)
     answer = {
         "tokens_that_fit": plan.total_tokens,
         "concurrency": n,
         "max_session_len_for_concurrency": plan.max_session_len_for(n),
+        "parameters": total,
+        "active_parameters": active,
     }
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict(), **answer}, indent=2))
@@ -212,6 +216,16 @@ def run(args: argparse.Namespace) -> int:
         f"{mc.num_kv_heads} KV heads x head_dim {mc.head_dim}, tp={args.tp}"
         + _rank_shape(mc, args.tp)
     )
+    if mc.is_moe:
+        shared = ", a shared expert" if mc.shared_expert_intermediate_size else ""
+        print(
+            f"  mixture of experts: {len(mc.moe_layers)} of {mc.num_layers} layers sparse, "
+            f"{mc.num_experts} experts of {mc.moe_intermediate_size:,}, "
+            f"{mc.num_experts_per_tok} per token{shared}; {total / 1e9:.2f}B parameters, "
+            f"{active / 1e9:.2f}B active per token (all experts' weights are held)"
+        )
+    else:
+        print(f"  {total / 1e9:.2f}B parameters")
     gguf_note = _gguf_note(args.model, plan)
     if gguf_note:
         print(gguf_note)

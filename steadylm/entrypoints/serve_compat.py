@@ -90,12 +90,13 @@ NO_EFFECT: tuple[CompatFlag, ...] = (
     ),
     CompatFlag(
         "--enable-eplb",
-        "expert load balancing needs expert parallelism and an MoE model; steadylm has neither",
+        "expert load balancing needs expert parallelism, which steadylm has not (the experts "
+        "are split over the tp ranks)",
         kw=_FLAG,
     ),
     CompatFlag(
         "--moe-a2a-backend",
-        "steadylm serves no MoE models",
+        "no expert parallelism, so no all-to-all between ranks",
         kw={"choices": ["auto", "default", "deepep"]},
     ),
     CompatFlag(
@@ -182,7 +183,11 @@ REJECTED: tuple[CompatFlag, ...] = (
         {"choices": ["raw_logits", "raw_logprobs"]},
     ),
     CompatFlag(
-        "--enable-return-routed-experts", "steadylm serves no MoE models", True, False, _FLAG
+        "--enable-return-routed-experts",
+        "the experts a token was routed to are not returned",
+        True,
+        False,
+        _FLAG,
     ),
     CompatFlag(
         "--enable-abort-handling",
