@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -71,7 +72,9 @@ def print_json(out: dict, path: str | None) -> None:
 
 
 def step_weight_bytes(model_dir: str) -> int:
-    """Bytes a decode step reads: every weight matrix except the embedding table (one row)."""
+    """Bytes a batch-1 decode step reads: every weight matrix except the embedding table (one
+    row), and of a mixture of experts' routed experts only the num_experts_per_tok a token
+    takes in each sparse layer (the active parameters)."""
     from steadylm import gguf_file
     from steadylm.loader import safetensors_files, tensor_shapes
 
@@ -84,13 +87,18 @@ def step_weight_bytes(model_dir: str) -> int:
             for t in tensors
             if len(t.shape) == 2 and (tied or t.name != "token_embd.weight")
         )
-    total = 0
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    share = cfg.get("num_experts_per_tok", 0) / experts if experts else 1.0
+    total = 0.0
     for name, (shape, dtype) in tensor_shapes(safetensors_files(model_dir)).items():
         if "embed_tokens" in name or len(shape) < 2:
             continue
         size = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}.get(dtype, 4)
-        total += size * shape[0] * shape[1]
-    return total
+        routed = re.search(r"\.experts\.\d+\.", name) is not None
+        total += size * shape[0] * shape[1] * (share if routed else 1.0)
+    return round(total)
 
 
 def main(argv=None) -> int:

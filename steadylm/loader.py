@@ -155,6 +155,10 @@ def load_weights(
             raise ModelLoadError(f"{path}: tensor {name!r}: {exc.message}") from None
         loaded.add((target, shard))
     _check_missing(expected - loaded, files)
+    # Drop the references to the loaded parameters first: a layer that repacks its weight
+    # frees the checkpoint-layout copy, and this dict would keep every one of them alive
+    # (twice the weights at the peak: an OOM for a model over half the RAM).
+    del params
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

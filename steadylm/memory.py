@@ -238,8 +238,12 @@ def activation_bytes(
 
 def graph_blocker(mc: ModelConfig) -> str | None:
     """Why this model's decode step cannot be captured in a CUDA graph, or None."""
-    if mc.is_moe and mc.quantization:
-        return "AWQ experts run one by one (counting each expert's tokens syncs with the host)"
+    group = awq_group_size(mc)
+    if mc.is_moe and group is not None and (group == -1 or group % 16):
+        return (
+            f"AWQ experts of group size {group} run one by one (the fused kernel takes groups "
+            "of a multiple of 16; counting each expert's tokens syncs with the host)"
+        )
     return None
 
 

@@ -97,6 +97,26 @@ def fused_moe(dtype, tokens, hidden, intermediate, experts, top_k):
     )
 
 
+def fused_moe_awq(dtype, tokens, hidden, intermediate, experts, top_k, group):
+    ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
+
+    def stack(k, n):
+        return (
+            torch.zeros(experts, k, n // 8, dtype=torch.int32),
+            torch.zeros(experts, k // group, n // 8, dtype=torch.int32),
+            torch.zeros(experts, k // group, n, dtype=torch.float16),
+            group,
+        )
+
+    triton_moe.fused_experts(
+        torch.zeros(tokens, hidden, dtype=dtype),
+        stack(hidden, 2 * intermediate),
+        stack(intermediate, hidden),
+        torch.zeros(tokens, top_k, dtype=dtype),
+        ids,
+    )
+
+
 def small_ops(dtype, tokens, hidden, heads, head_dim):
     x = torch.zeros(tokens, hidden, dtype=dtype)
     triton_ops.rms_norm(x, torch.zeros(hidden, dtype=dtype), 1e-6)
@@ -125,6 +145,8 @@ def cases():
         for tokens in (1, 300):  # Qwen3-30B-A3B (decode, prefill) and Mixtral-8x7B
             yield fused_moe, (dtype, tokens, 2048, 768, 128, 8), {}
         yield fused_moe, (dtype, 2, 4096, 14336, 8, 2), {}
+        for tokens in (1, 300):  # Qwen3-30B-A3B-AWQ
+            yield fused_moe_awq, (dtype, tokens, 2048, 768, 128, 8, 128), {}
         yield small_ops, (dtype, 1, 5120, 40, 128), {}  # a 32B model's shapes
         yield small_ops, (dtype, 3, 896, 14, 64), {}  # Qwen2.5-0.5B
         yield small_ops, (dtype, 2, 8192, 64, 80), {}

@@ -9,9 +9,10 @@ CPU oneDNN's packed weight read by the GEMV, AWQ's int4 kernels for a quantized 
 and the checkpoint's per-expert tensors load into them directly (no full-model copy). The
 experts run one after another over the tokens routed to them (`experts_reference`, the oracle
 and the CPU path: a decode step of 16 rows reads each active expert's weights once). On CUDA
-the dense experts' weights are stacked per layer ((E, 2I, H) and (E, H, I), the per-expert
-parameters becoming views of them) for the fused Triton kernel (`kernels/triton_moe.py`),
-which sorts tokens by expert on the device without a host sync.
+the experts' weights are stacked per layer ((E, 2I, H) and (E, H, I), or AWQ's 4-bit tensors
+the same way; the per-expert parameters become views of them) for the fused Triton kernel
+(`kernels/triton_moe.py`), which sorts tokens by expert on the device without a host sync, so
+decode steps are captured in CUDA graphs.
 
 Tensor parallelism: every expert's intermediate dim is split over the ranks (gate_up by
 columns, down by rows, as a dense MLP), the router is replicated, and the block all-reduces
@@ -26,6 +27,7 @@ from torch import nn
 
 from steadylm import kernels, parallel, platform
 from steadylm.config import ModelConfig
+from steadylm.layers.awq import AWQLinear
 from steadylm.layers.linear import Linear, make_linear
 from steadylm.layers.shard import Split
 
@@ -101,6 +103,15 @@ def stacked_experts_reference(
     return experts_reference(x, weights, ids, experts)
 
 
+def _awq_stackable(experts: nn.ModuleList) -> bool:
+    from steadylm.kernels.triton_moe import awq_supported
+
+    return all(
+        awq_supported(lin.in_features, lin.out_features, lin.group) and lin.bias is None
+        for lin in (experts[0].gate_up_proj, experts[0].down_proj)
+    )
+
+
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: router, `num_experts` experts of which each token takes
     `num_experts_per_tok`, and (Qwen2-MoE) a shared expert gated by sigmoid(x w_g)."""
@@ -136,30 +147,40 @@ class SparseMoeBlock(nn.Module):
             )
             self.shared_expert = ExpertMLP(cfg, shared, names)
             self.shared_expert_gate = Linear(c, 1)
-        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (w13, w2) for the fused kernel: dense stacks, or AWQ's (qweight, qzeros, scales,
+        # group) each; None: the experts run one by one (experts_reference).
+        self.stacked: tuple | None = None
 
     def process_weights_after_loading(self) -> None:
-        """On a device where the fused kernel runs, stack the dense experts' weights per layer
-        and make each expert's parameters views of the stack (one copy)."""
+        """On a device where the fused kernel runs, stack the experts' weights per layer (the
+        dense matrices, or AWQ's qweight / qzeros / scales) and make each expert's parameters
+        views of the stack: one copy, which the per-expert modules still read."""
         if self.kernel_choice == "reference":
             return
-        first = self.experts[0]
-        w = getattr(first.gate_up_proj, "weight", None)
-        if not isinstance(w, torch.Tensor) or first.gate_up_proj.kernel is not None:
-            return  # AWQ experts, or packed CPU kernels: the per-expert path
+        first = self.experts[0].gate_up_proj
+        awq = isinstance(first, AWQLinear)
+        w = first.qweight if awq else getattr(first, "weight", None)
+        if not isinstance(w, torch.Tensor) or first.kernel is not None:
+            return  # already packed (a CPU kernel of its own): the per-expert path
         if self.kernel_choice == "auto" and w.device.type != "cuda":
             return
-        if not platform.triton_usable(w.device):
+        if not platform.triton_usable(w.device) or (awq and not _awq_stackable(self.experts)):
             if self.kernel_choice == "triton":
-                raise ValueError("SparseMoeBlock.kernel_choice='triton': Triton cannot run here")
+                raise ValueError("SparseMoeBlock.kernel_choice='triton' cannot run here")
             return
-        w13 = torch.stack([ex.gate_up_proj.weight.data for ex in self.experts])
-        w2 = torch.stack([ex.down_proj.weight.data for ex in self.experts])
-        for i, ex in enumerate(self.experts):
-            for lin, w in ((ex.gate_up_proj, w13[i]), (ex.down_proj, w2[i])):
-                lin.weight = nn.Parameter(w, requires_grad=False)
-                lin.shared_weight = True  # a view of the stack: no packed copy of its own
-        self.stacked = (w13, w2)
+        names = ("qweight", "qzeros", "scales") if awq else ("weight",)
+        stacks = []
+        for proj in ("gate_up_proj", "down_proj"):
+            linears = [getattr(ex, proj) for ex in self.experts]
+            per_name = []
+            for name in names:
+                stack = torch.stack([getattr(lin, name).data for lin in linears])
+                for i, lin in enumerate(linears):
+                    setattr(lin, name, nn.Parameter(stack[i], requires_grad=False))
+                    lin.shared_weight = True  # a view of the stack: no packed copy of its own
+                per_name.append(stack)
+            stacks.append((*per_name, linears[0].group) if awq else per_name[0])
+        self.stacked = tuple(stacks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)

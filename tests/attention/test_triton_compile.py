@@ -49,6 +49,7 @@ def test_every_kernel_compiles_for_the_gpu(sm, tmp_path):
         "_merge_segments_kernel",
         "_awq_gemm_kernel",
         "_moe_gemm_kernel",
+        "_moe_awq_gemm_kernel",
         "_rms_norm_kernel",
         "_silu_and_mul_kernel",
         "_rotary_kernel",

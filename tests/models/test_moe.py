@@ -184,21 +184,16 @@ _QUANTIZED = re.compile(
 )
 
 
-@pytest.mark.parametrize("kernel", ["reference", "auto"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_awq_moe_checkpoint_matches_dequantized_transformers(arch, kernel, tmp_path, monkeypatch):
-    """Every linear of the checkpoint (attention, each expert's, the dense layer's) quantized
-    as benchmarks/make_awq_model.py does, the router left dense: the experts stay 4-bit and
-    the logits are the dequantized model's (the reference kernel exactly; torch's int4 kernel
-    within its bf16 rounding, as the dense AWQ test)."""
+def save_awq_moe(arch: str, tmp_path, group: int = 64):
+    """An AWQ checkpoint of a tiny MoE model: every linear (attention, each expert's, a dense
+    layer's) quantized as benchmarks/make_awq_model.py does, the router left dense. Returns
+    (transformers model holding the dequantized weights, checkpoint dir)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from steadylm.layers.awq import AWQLinear
     from tests.conftest import GEMV_SIZES
     from tests.test_awq import awq_quantize
 
-    monkeypatch.setattr(AWQLinear, "kernel_choice", kernel)
     shapes = dict(GEMV_SIZES, vocab_size=256, moe_intermediate_size=64)
     if arch == "mixtral":
         shapes["intermediate_size"] = 64
@@ -208,7 +203,7 @@ def test_awq_moe_checkpoint_matches_dequantized_transformers(arch, kernel, tmp_p
     for name, t in load_file(dense_dir / "model.safetensors").items():
         if _QUANTIZED.search(name):
             base = name[: -len(".weight")]
-            qw, qz, sc, w = awq_quantize(t, 64)
+            qw, qz, sc, w = awq_quantize(t, group)
             awq.update({f"{base}.qweight": qw, f"{base}.qzeros": qz, f"{base}.scales": sc})
             deq[name] = w
         else:
@@ -221,14 +216,26 @@ def test_awq_moe_checkpoint_matches_dequantized_transformers(arch, kernel, tmp_p
     cfg["quantization_config"] = {
         "quant_method": "awq",
         "bits": 4,
-        "group_size": 64,
+        "group_size": group,
         "zero_point": True,
         "version": "gemm",
         "modules_to_not_convert": None,
     }
     (awq_dir / "config.json").write_text(json.dumps(cfg))
     hf = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
-    engine = engine_for(str(awq_dir))
+    return hf, str(awq_dir)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_awq_moe_checkpoint_matches_dequantized_transformers(arch, kernel, tmp_path, monkeypatch):
+    """The experts stay 4-bit and the logits are the dequantized model's (the reference
+    kernel exactly; torch's int4 kernel within its bf16 rounding, as the dense AWQ test)."""
+    from steadylm.layers.awq import AWQLinear
+
+    monkeypatch.setattr(AWQLinear, "kernel_choice", kernel)
+    hf, path = save_awq_moe(arch, tmp_path)
+    engine = engine_for(path)
     block = next(m for m in engine.runner.model.modules() if isinstance(m, moe.SparseMoeBlock))
     assert isinstance(block.experts[0].down_proj, AWQLinear)
     if kernel == "auto":  # the plan counts the 4-bit layout held (and the LM head's copy)
