@@ -42,10 +42,9 @@ def _plan_json(args: list[str], **changes: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_planner_table_is_the_planners_output():
-    cmd = _command_after("**It tells you exactly what fits,**")
+def _check_plan_table(cmd: list[str], table: str) -> None:
     assert cmd[:2] == ["steadylm", "plan"]
-    rows = re.findall(r"^\| (\d) \((?:fp16|int8|int4)\) \|(.*)\|$", README, re.M)
+    rows = re.findall(r"^\| (\d) \((?:fp16|int8|int4)\) \|(.*)\|$", table, re.M)
     assert [q for q, _ in rows] == ["0", "8", "4"]
     for q, cells in rows:
         plan = _plan_json(cmd[1:], quant_policy=q)
@@ -54,12 +53,24 @@ def test_planner_table_is_the_planners_output():
         assert int(one.replace(",", "")) == plan["max_session_len"]
         assert int(two.split()[0].replace(",", "")) == plan["max_session_len_for_concurrency"]
         assert kv == f"{plan['kv_cache_bytes'] / 2**30:.2f} GiB"
+
+
+def test_planner_table_is_the_planners_output():
+    cmd = _command_after("**It tells you exactly what fits,**")
+    start = README.index("**It tells you exactly what fits,**")
+    _check_plan_table(cmd, README[start : README.index("## LMDeploy users")])
     seed = re.search(r"cache_max_entry_count=0\.3` the same card holds ([\d,]+) int4", README)
     args = [a for a in cmd[1:] if not a.startswith("--gpu-memory-utilization")]
     i = args.index("0.9")
     args = args[:i] + args[i + 1 :]
     plan = _plan_json(args, quant_policy="4", cache_max_entry_count="0.3")
     assert int(seed.group(1).replace(",", "")) == plan["total_tokens"]
+
+
+def test_moe_planner_table_is_the_planners_output():
+    cmd = _command_after("**Mixtures of experts.**")
+    start = README.index("**Mixtures of experts.**")
+    _check_plan_table(cmd, README[start : README.index("## Layout")])
 
 
 @needs_shared
