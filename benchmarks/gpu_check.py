@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("parity", "kernels", "bench", "profile", "memory", "bench_large")
+SECTIONS = ("parity", "kernels", "moe", "bench", "profile", "memory", "bench_large")
 BLOCK = 64  # the engine's default KV block size, used by every case here
 
 
@@ -510,6 +510,108 @@ def section_kernels(ctx: Context) -> dict:
     return out
 
 
+# ---- mixture of experts ----------------------------------------------------------------------
+def section_moe(ctx: Context) -> dict:
+    return {"parity": attempt(ctx, moe_parity), "kernel": attempt(ctx, moe_kernel)}
+
+
+def moe_parity(ctx: Context) -> dict:
+    """A tiny Qwen3-MoE in fp32 (8 experts, top 2): greedy as transformers with the fused
+    kernel, in decode CUDA graphs and eagerly."""
+    import transformers
+
+    from steadylm.engine.request import SamplingParams
+
+    tiny = {k: v for k, v in ctx.shapes.tiny.items() if k not in ("bos_token_id", "eos_token_id")}
+    cfg = transformers.Qwen3MoeConfig(
+        **tiny, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True
+    )
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.data.normal_(0, 1.0)  # a router that routes
+    path = os.path.join(ctx.tmp.name, "tiny-moe")
+    hf.save_pretrained(path)
+    n = ctx.shapes.new_tokens
+    prompts = [random_prompts(1, k, cfg.vocab_size, k)[0] for k in (5, 9, 17)]
+    expected = [hf_greedy(hf, p, n) for p in prompts]
+    out = {}
+    for mode in ("graphs", "eager") if ctx.cuda else ("eager",):
+        engine = make_engine(
+            ctx, path, [(4, 64)], max_batch_size=4, dtype="float32", eager_mode=mode == "eager"
+        )
+        blocks = [m for m in engine.runner.model.modules() if type(m).__name__ == "SparseMoeBlock"]
+        tokens = [
+            r.output_token_ids
+            for r in engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        ]
+        g = engine.runner.graphs
+        out[mode] = {
+            "fused": all(b.stacked is not None for b in blocks),
+            "matched_hf": [common_prefix(t, e) for t, e in zip(tokens, expected)],
+            "replays": sum(g.replays.values()) if g is not None else None,
+        }
+        ctx.check(f"moe tiny {mode} == transformers", tokens == expected)
+        if ctx.cuda:
+            ctx.check(f"moe tiny {mode}: the fused kernel ran", out[mode]["fused"])
+            if mode == "graphs":
+                ctx.check("moe tiny: decode graphs replayed", (out[mode]["replays"] or 0) > 0)
+        del engine
+        free_memory(ctx.device)
+    return out
+
+
+def moe_kernel(ctx: Context) -> dict:
+    """The fused kernel against the per-expert reference at Qwen3-30B-A3B's widths (hidden
+    2048, 128 experts of 768, top 8): error, time, and the routed weights' read rate."""
+    from steadylm.kernels import triton_moe
+    from steadylm.layers import moe
+
+    h, i, e, k = (2048, 768, 128, 8) if ctx.cuda else (64, 32, 8, 2)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float16
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device=ctx.device, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=ctx.device, generator=gen) / i**0.5).to(dtype)
+    rows = []
+    for t in (1, 16, 256) if ctx.cuda else (1, 4):
+        x = torch.randn(t, h, device=ctx.device, generator=gen).to(dtype)
+        logits = torch.randn(t, e, device=ctx.device, generator=gen).to(dtype)
+        weights, ids = moe.select_experts(logits, k, renormalize=True)
+        got = triton_moe.fused_experts(x, w13, w2, weights, ids)
+        ref = moe.stacked_experts_reference(
+            x.float(), w13.float(), w2.float(), weights.float(), ids
+        )
+        err = float((got.float() - ref).abs().max() / ref.abs().max())
+        ms = median_ms(
+            lambda x=x, w=weights, ids=ids: triton_moe.fused_experts(x, w13, w2, w, ids),
+            ctx.device,
+            ctx.shapes.runs,
+            ctx.shapes.warmup,
+        )
+        ref_ms = median_ms(
+            lambda x=x, w=weights, ids=ids: moe.stacked_experts_reference(x, w13, w2, w, ids),
+            ctx.device,
+            ctx.shapes.runs,
+            ctx.shapes.warmup,
+        )
+        used = int(ids.unique().numel())
+        read = used * 3 * i * h * w13.element_size()
+        rows.append(
+            {
+                "tokens": t,
+                "experts_used": used,
+                "rel_err": err,
+                "fused_ms": ms,
+                "reference_ms": ref_ms,
+                "weights_GBps": read / ms / 1e6,
+            }
+        )
+        ctx.check(f"moe fused T={t} close to the reference", err < 2e-2, f"{err:.2e}")
+    return {"shape": {"hidden": h, "intermediate": i, "experts": e, "top_k": k}, "rows": rows}
+
+
 # ---- 3. bench --------------------------------------------------------------------------------
 def copy_bandwidth(ctx: Context) -> float:
     """Bytes read + written per second by a large device-to-device copy (median)."""
@@ -914,6 +1016,7 @@ def markdown(report: dict) -> str:
         f"{m['cuda']}; `benchmarks/gpu_check.py` took {m['seconds']:.0f}s.",
     ]
     lines += md_parity(s.get("parity", {})) + md_kernels(s.get("kernels", {}))
+    lines += md_moe(s.get("moe", {}))
     for label in ("bench", "bench_large"):
         lines += md_bench(label, s.get(label, {}))
     lines += md_profile(s.get("profile", {}))
@@ -927,6 +1030,28 @@ def markdown(report: dict) -> str:
     lines += [f"- FAILED {c['name']} {c['detail']}" for c in bad]
     lines += [f"- ERROR {e}" for e in errors(s)]
     return "\n".join(lines) + "\n"
+
+
+def md_moe(m: dict) -> list[str]:
+    out = ["", "### Mixture of experts (the fused kernel)", ""]
+    for mode, r in m.get("parity", {}).items():
+        if isinstance(r, dict) and "matched_hf" in r:
+            out.append(
+                f"- tiny Qwen3-MoE fp32, {mode}: tokens matching per prompt {r['matched_hf']}, "
+                f"fused kernel {r['fused']}, graph replays {r['replays']}"
+            )
+    k = m.get("kernel", {})
+    if k.get("rows"):
+        out += ["", f"Shape {k['shape']}:", ""]
+        out += table(
+            ["tokens", "experts used", "rel err", "fused ms", "reference ms", "weights GB/s"],
+            [
+                [r["tokens"], r["experts_used"], f"{r['rel_err']:.1e}", f"{r['fused_ms']:.3f}",
+                 f"{r['reference_ms']:.3f}", f"{r['weights_GBps']:.0f}"]
+                for r in k["rows"]
+            ],
+        )  # fmt: skip
+    return out
 
 
 def md_parity(p: dict) -> list[str]:
@@ -1082,6 +1207,7 @@ def main(argv=None) -> int:
     fns = {
         "parity": section_parity,
         "kernels": section_kernels,
+        "moe": section_moe,
         "bench": section_bench,
         "profile": section_profile,
         "memory": section_memory,

@@ -2,7 +2,7 @@
 # The one prepared device check for a lent GPU (an H200), under 8 minutes all told:
 #   1. versions (nvidia-smi, torch, triton, transformers)
 #   2. python -m pytest -q -m gpu tests          (the GPU-only tests)
-#   3. the Triton kernel tests (attention, AWQ, small ops) and the decode-graph tests, compiled
+#   3. the Triton kernel tests (attention, AWQ, MoE, small ops) and the decode-graph tests, compiled
 #      for the device
 #   4. python benchmarks/gpu_check.py --out "$OUT" (parity, kernels at real shapes, decode
 #      benchmarks, memory: $OUT/gpu_check.json and $OUT/gpu_check.md, which it also prints)
@@ -67,7 +67,7 @@ step versions 60 "$PY" -c "$VERSIONS"
 step pytest_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests \
   --ignore=tests/entrypoints --continue-on-collection-errors
 step pytest_kernels 170 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/attention/test_triton_attention.py tests/test_triton_awq.py tests/test_triton_ops.py \
+  tests/attention/test_triton_attention.py tests/test_triton_awq.py tests/test_triton_moe.py tests/test_triton_ops.py \
   tests/engine/test_decode_graphs.py
 # what is left, less a margin for writing the report after a SIGTERM
 BUDGET=$(($(left) - 30))

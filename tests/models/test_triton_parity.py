@@ -13,7 +13,7 @@ import torch
 
 from steadylm import platform
 from steadylm.engine.request import SamplingParams
-from tests.conftest import ARCHS, STORIES, engine_for, hf_greedy, needs_shared
+from tests.conftest import ARCHS, MOE_ARCHS, STORIES, engine_for, hf_greedy, needs_shared
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
@@ -66,6 +66,25 @@ def test_greedy_tokens_match_transformers(arch, model_dirs):
     engine = engine_for(path, max_prefill_token_num=5)  # chunked prefill over a prefix
     req = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     assert req.output_token_ids == hf_greedy(hf, prompt, 20)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_through_every_triton_kernel_matches_transformers(arch, model_dirs, monkeypatch):
+    """What a CUDA engine runs for a mixture of experts: Triton attention, small ops and the
+    fused MoE kernel, batched with chunked prefill."""
+    from steadylm.layers import moe
+
+    monkeypatch.setattr(moe.SparseMoeBlock, "kernel_choice", "triton")
+    hf, path = model_dirs(arch)
+    engine = engine_for(path, max_prefill_token_num=5)
+    assert all(
+        b.stacked is not None
+        for b in engine.runner.model.modules()
+        if isinstance(b, moe.SparseMoeBlock)
+    )
+    prompts = [PROMPT, [7, 7, 8, 1]]
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [r.output_token_ids for r in reqs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_batching_preemption_and_cache_hits_keep_transformers_tokens(model_dirs):
