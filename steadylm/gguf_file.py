@@ -104,6 +104,12 @@ def check_file(path: str) -> str:
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(GGUF_ARCHITECTURES)}"
         )
+    experts = _field(r, f"{arch}.expert_count")
+    if experts:
+        raise ModelLoadError(
+            f"{path}: a mixture of experts in GGUF ({experts} experts; llama.cpp writes "
+            "Mixtral as 'llama') is not supported yet; load its safetensors checkpoint"
+        )
     split = _field(r, "split.count")
     if split and split > 1:
         raise ModelLoadError(

@@ -159,6 +159,31 @@ def test_unknown_architecture_is_a_clear_error_before_allocating(tmp_path):
         engine_for(path)
 
 
+def test_mixture_of_experts_gguf_is_refused_with_the_reason(tmp_path):
+    """llama.cpp writes Mixtral as 'llama' with an expert count: not a dense Llama to load."""
+    path = str(tmp_path / "mixtral.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="mixture of experts in GGUF .8 experts"):
+        engine_for(path)
+    path = str(tmp_path / "qwen3moe.gguf")  # an architecture of its own: named as unsupported
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="architecture 'qwen3moe' is not supported"):
+        engine_for(path)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     path = str(tmp_path / "iq.gguf")
     w = gguf.GGUFWriter(path, "llama")

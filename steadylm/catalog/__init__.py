@@ -1,5 +1,5 @@
 """A small bundled catalog: published config.json files of real models (hyperparameters are
-facts; see each file's source in docs/memory.md) and GPU memory totals as torch reports them."""
+facts; each file's source is in models/SOURCES.md) and GPU memory totals as torch reports them."""
 
 from __future__ import annotations
 
