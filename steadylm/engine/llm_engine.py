@@ -67,6 +67,8 @@ class EngineStats:
     fault_counts: dict[str, int] = field(default_factory=dict)
     num_request_faults: int = 0
     spec_decode: SpecStats | None = None  # speculative decoding's counters (None: off)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found there
 
 
 class LLMEngine:
@@ -492,6 +494,7 @@ class LLMEngine:
                     num_cached_tokens=req.num_cached_tokens,
                     num_preemptions=req.num_preemptions,
                     arrival_time=req.arrival_time,
+                    scheduled_time=req.scheduled_time,
                     first_token_time=req.first_token_time,
                     finish_time=req.finish_time,
                     prompt_logprobs=req.prompt_logprobs if first else None,
@@ -587,6 +590,8 @@ class LLMEngine:
             kv_blocks_free=bm.num_free_blocks,
             num_preemptions=self.scheduler.stats.num_preemptions,
             prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_queries=bm.query_tokens,
+            prefix_cache_hits=bm.hit_tokens,
             num_steps=self.scheduler.stats.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens,

@@ -167,6 +167,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     wait_reason: str = "queued"
     error: str | None = None
+    scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     finish_time: float | None = None
     constraint: RequestConstraint | None = None  # its grammar matcher and thought (structured)
@@ -261,6 +262,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = 0.0
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # in the first output only

@@ -15,6 +15,7 @@ drafts used are released in `update`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -178,6 +179,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.wait_reason = ""
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n

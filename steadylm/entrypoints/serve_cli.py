@@ -155,6 +155,13 @@ def _add_lmdeploy_server_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-metrics", action="store_true", help="no /metrics route")
     g.add_argument(
+        "--metrics-names",
+        choices=("steadylm", "vllm", "both"),  # server.metrics.METRICS_NAMES
+        default="both",
+        help="/metrics series: ours (steadylm_*), vLLM's names and units (vllm:*, labelled "
+        "model_name, for vLLM dashboards, autoscalers and gateways), or both",
+    )
+    g.add_argument(
         "--allow-terminate-by-client",
         action="store_true",
         help="GET /terminate stops the server gracefully (with --api-keys it needs a key)",
@@ -373,6 +380,7 @@ def run(args: argparse.Namespace, engine_config) -> int:
         args.max_request_body_bytes,
         args.reasoning_parser,
         args.tool_call_parser,
+        args.metrics_names,
     )
     app = build_app(state)
     configure_app(app, args)

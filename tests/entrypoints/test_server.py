@@ -678,3 +678,59 @@ def test_cli_help_lists_engine_flags():
         "--dtype",
     ):
         assert flag in out
+
+
+def _families(base: str) -> dict:
+    """/metrics parsed by prometheus-client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_under_vllm_names_count_each_request(client, server):
+    """The default `--metrics-names both`: vLLM's series (labelled model_name / engine) beside
+    ours, each moved by exactly one request's figures; parsed as a scraper parses them."""
+    lab = (("engine", "0"), ("model_name", MODEL))
+    before = _families(server)
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0
+    )
+    after = _families(server)
+
+    def moved(name, extra=()):
+        key = (name, tuple(sorted(lab + tuple(extra))))
+        return after[key] - before.get(key, 0)
+
+    assert r.choices[0].finish_reason == "length"
+    assert moved("vllm:generation_tokens_total") == 7
+    assert moved("vllm:prompt_tokens_total") == r.usage.prompt_tokens
+    assert moved("vllm:request_success_total", [("finished_reason", "length")]) == 1
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert moved(f"vllm:{hist}_seconds_count") == 1, hist
+    assert moved("vllm:inter_token_latency_seconds_count") == 6  # one per step after the first
+    assert moved("vllm:request_generation_tokens_sum") == 7
+    assert moved("vllm:request_params_max_tokens_sum") == 7
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert (f"vllm:{gauge}", lab) in after, gauge
+    assert 0 <= after[("vllm:kv_cache_usage_perc", lab)] <= 1
+    assert ("vllm:num_preemptions_total", lab) in after
+    assert ("vllm:prefix_cache_queries_total", lab) in after
+    assert ("steadylm_generation_tokens_total", ()) in after  # ours too
+
+
+def test_metrics_names_choose_the_series():
+    import signal
+
+    proc, base = start_server("--metrics-names", "vllm")
+    try:
+        names = {name for name, _ in _families(base)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert "vllm:num_requests_running" in names
+    assert not [n for n in names if n.startswith("steadylm_")]

@@ -97,6 +97,7 @@ class ServerState:
         max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        metrics_names: str = "both",
     ) -> None:
         check_api_keys(api_keys)
         for name, value in (
@@ -115,7 +116,7 @@ class ServerState:
         self.max_choices = max_choices_per_request
         self.max_body_bytes = max_request_body_bytes
         self.in_flight = 0  # choices in flight (a request of n choices counts n)
-        self.metrics = Metrics()
+        self.metrics = Metrics(metrics_names, model_name, engine.session_len)
         self.created = int(time.time())
         self.reasoning = None
         if reasoning_parser is not None:
@@ -566,6 +567,8 @@ class _Run:
         self.cached: dict[int, int] = {}  # choice -> prompt tokens served by the prefix cache
         self.text_offset: dict[int, int] = {}  # choice -> characters of logprob tokens so far
         self.lp_history: dict[int, list[int]] = {}  # choice -> its last tokens (for their text)
+        self.max_tokens: dict[int, int] = {}  # choice -> its max_new_tokens (metrics)
+        self.last_token_at: dict[int, float] = {}  # choice -> when its last tokens arrived
         self.open: set[str] = set()
 
     async def start(self, jobs: list[tuple[int, list[int]]]) -> None:
@@ -598,6 +601,7 @@ class _Run:
             self.index[stream.request_id] = i
             self.open.add(stream.request_id)
             self.prompt_lens[i] = len(ids)
+            self.max_tokens[i] = p.max_new_tokens
             self.lp_history[i] = list(ids[-LOGPROB_CONTEXT_TOKENS:])  # the first token's context
             if not self.chat and self.body.echo:
                 text = self.prompt_texts.get(i // self.body.n)
@@ -633,7 +637,7 @@ class _Run:
         """The client went away (or a choice failed to start): end what is still running."""
         for rid in list(self.open):
             self.state.async_engine.abort_nowait(rid)
-            self.state.metrics.requests.labels("abort").inc()
+            self.state.metrics.aborted()
         self.open.clear()
 
     async def deltas(self):
@@ -647,6 +651,7 @@ class _Run:
                     self.open.discard(rid)
                     continue
                 i = self.index[rid]
+                self._time_tokens(i, len(item.new_token_ids))
                 self.cached[i] = max(self.cached.get(i, 0), item.num_cached_tokens)
                 d = self.procs[i].feed(item)
                 if i in self.echo:  # the prompt (and its logprobs) come first
@@ -657,12 +662,36 @@ class _Run:
                     self.open.discard(rid)
                     n = len(self.procs[i].token_ids)
                     t = timing(item, n)
+                    times = {
+                        "arrival": item.arrival_time,
+                        "scheduled": item.scheduled_time,
+                        "first_token": item.first_token_time,
+                        "finish": item.finish_time,
+                    }
                     self.state.metrics.observe_finished(
-                        d.finish_reason, self.prompt_lens[i], n, t["ttft_s"], t["tokens_per_s"]
+                        d.finish_reason,
+                        self.prompt_lens[i],
+                        n,
+                        t["ttft_s"],
+                        t["tokens_per_s"],
+                        times,
+                        self.max_tokens.get(i),
                     )
                 yield i, d
         finally:
             self.abort_open()
+
+    def _time_tokens(self, i: int, new: int) -> None:
+        """Inter-token latency as vLLM counts it: one observation per step that gave a choice
+        tokens after its first (a step's accepted drafts share one), timed as they reach the
+        server."""
+        if not new:
+            return
+        now = time.monotonic()
+        last = self.last_token_at.get(i)
+        if last is not None:
+            self.state.metrics.observe_itl(now - last)
+        self.last_token_at[i] = now
 
     def _echoed(self, i: int, d: Delta, prompt_logprobs: list | None) -> Delta:
         """The choice's first delta with the prompt before it (completions' `echo`)."""
