@@ -145,32 +145,19 @@ class _VLLMSeries:
             registry=r,
         )
         tokens = _token_buckets(max_model_len)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _VLLM_TTFT)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency.", _VLLM_ITL)
-        self.e2e = hist(
-            "vllm:e2e_request_latency_seconds", "End to end request latency.", _VLLM_REQUEST
-        )
-        self.queue = hist(
-            "vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", _VLLM_REQUEST
-        )
-        self.prefill = hist(
-            "vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase.", _VLLM_REQUEST
-        )
-        self.decode = hist(
-            "vllm:request_decode_time_seconds", "Time spent in the DECODE phase.", _VLLM_REQUEST
-        )
-        self.inference = hist(
-            "vllm:request_inference_time_seconds", "Time spent in the RUNNING phase.", _VLLM_REQUEST
-        )
-        self.req_prompt = hist(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
-        )
-        self.req_generation = hist(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
-        )
-        self.max_tokens = hist(
-            "vllm:request_params_max_tokens", "The max_tokens request parameter.", tokens
-        )
+        for attr, name, doc, buckets in (
+            ("ttft", "time_to_first_token_seconds", "Time to first token.", _VLLM_TTFT),
+            ("itl", "inter_token_latency_seconds", "Inter-token latency.", _VLLM_ITL),
+            ("e2e", "e2e_request_latency_seconds", "End to end request latency.", _VLLM_REQUEST),
+            ("queue", "request_queue_time_seconds", "Time spent in the WAITING phase.", None),
+            ("prefill", "request_prefill_time_seconds", "Time spent in the PREFILL phase.", None),
+            ("decode", "request_decode_time_seconds", "Time spent in the DECODE phase.", None),
+            ("inference", "request_inference_time_seconds", "Time spent RUNNING.", None),
+            ("req_prompt", "request_prompt_tokens", "Prefill tokens of a request.", tokens),
+            ("req_generation", "request_generation_tokens", "Tokens a request generated.", tokens),
+            ("max_tokens", "request_params_max_tokens", "The max_tokens parameter.", tokens),
+        ):
+            setattr(self, attr, hist(f"vllm:{name}", doc, buckets or _VLLM_REQUEST))
 
     def finished(self, reason, num_prompt, num_output, ttft_s, t: dict, max_tokens) -> None:
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, "error")
