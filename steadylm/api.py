@@ -111,6 +111,10 @@ class GenerationConfig:
     # steadylm's (vLLM's server field): at most this many thought tokens between <think> and
     # </think>, then the engine closes the thought and the answer follows
     max_thinking_tokens: int | None = None
+    # steadylm's (vLLM's `priority`): lower first under PytorchEngineConfig(scheduling_policy=
+    # "priority"); and a deadline in seconds, then the answer ends there (finish_reason "timeout")
+    priority: int = 0
+    timeout: float | None = None
 
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "logprob_start_len": (REJECTED, "prompt-token logprobs are not returned yet"),
@@ -274,6 +278,8 @@ class GenerationConfig:
             logprobs=self.logprobs,
             structured_outputs=from_response_format(self.response_format),
             thinking=thinking_params(tokenizer, None, self.max_thinking_tokens),
+            priority=self.priority,
+            timeout=self.timeout,
         )
 
 
@@ -523,6 +529,8 @@ class PytorchEngineConfig:
     max_total_tokens: int | None = None
     # steadylm extension: speculative decoding here as well as pipeline(speculative_config=)
     speculative_config: Any = None
+    # steadylm extension (vLLM's name): "fcfs", or "priority" (GenerationConfig.priority)
+    scheduling_policy: str = "fcfs"
 
     POLICY: ClassVar[dict[str, tuple[str, str]]] = {
         "dp": (REJECTED, "data parallelism is not supported; run one engine per replica"),
@@ -591,6 +599,7 @@ class PytorchEngineConfig:
             device="cpu" if self.device_type == "cpu" else "auto",
             eager_mode=self.eager_mode,
             speculative_config=speculative_config(self.speculative_config),
+            scheduling_policy=self.scheduling_policy,
         )
 
 

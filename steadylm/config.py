@@ -359,9 +359,17 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     plan_notes: tuple[str, ...] = ()  # said with the memory plan (e.g. a knob that lost)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    # vLLM's: "fcfs" (arrival order), or "priority" (SamplingParams.priority, lower first; a
+    # waiting request may preempt running ones of a larger value)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_positive(self, "tp", "max_batch_size", "max_prefill_token_num", "block_size")
+        _check(
+            self.scheduling_policy in ("fcfs", "priority"),
+            "scheduling_policy",
+            f"scheduling_policy={self.scheduling_policy!r} is not 'fcfs' or 'priority'",
+        )
         if self.session_len is not None:
             _check_positive(self, "session_len")
         _check(

@@ -119,6 +119,7 @@ class LLMEngine:
             config.max_batch_size,
             plan.max_prefill_token_num,
             self.speculator,
+            config.scheduling_policy,
         )
         self.contracts = ContractBuilder()  # what the runner has been told, request by request
         self.structured = StructuredOutputManager(
@@ -235,6 +236,12 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise RequestError(  # vLLM says the same: the order would silently be FCFS
+                f"priority={params.priority} needs scheduling_policy='priority' "
+                "(--scheduling-policy priority); this engine schedules first come, first served",
+                param="priority",
+            )
         ids = self._encode(prompt)
         self._check_prompt(ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -350,7 +357,7 @@ class LLMEngine:
             self.speculator.observe(
                 time.perf_counter() - t0, len(out.scheduled), generated, drafted
             )
-        touched = [s.request for s in out.scheduled] + out.errored + failed
+        touched = [s.request for s in out.scheduled] + out.errored + out.expired + failed
         self._maybe_log_stats()
         return self._outputs(touched)
 

@@ -11,6 +11,7 @@ from steadylm.engine.structured import RequestConstraint, StructuredOutputs, Thi
 from steadylm.errors import RequestError
 
 INT64_MAX = 2**63 - 1  # every count and id becomes an int64 tensor element somewhere
+INT64_MIN = -(2**63)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 1024  # top logprobs per token (the server allows 20, as OpenAI does)
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -26,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_TIMEOUT = 7  # its deadline (SamplingParams.timeout) passed: partial output
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +43,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -66,6 +69,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # what the answer must match
     thinking: ThinkingParams | None = None  # a reasoning model's thought markers and budget
     prompt_logprobs: int | None = None  # top logprobs per prompt token (None: not computed)
+    # vLLM's: with scheduling_policy="priority", lower values are served first (FCFS within
+    # a value), and a waiting request may preempt running ones of a larger value
+    priority: int = 0
+    # seconds from arrival: then the request ends with its output so far, finish reason
+    # "timeout", and its KV blocks are freed (None: no deadline)
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         """Every field is checked against what the engine can represent, so no value reaches
@@ -93,6 +102,13 @@ class SamplingParams:
             _require_int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
         _require_float(self.presence_penalty, "presence_penalty", -2, 2)
         _require_float(self.frequency_penalty, "frequency_penalty", -2, 2)
+        _require_int(self.priority, "priority", INT64_MIN, INT64_MAX)
+        if self.timeout is not None:
+            _require(
+                _finite(self.timeout) and self.timeout > 0,
+                "timeout",
+                f"timeout={self.timeout!r} must be a finite number of seconds > 0",
+            )
         _require(
             all(
                 _is_int(t) and 0 <= t <= INT64_MAX and _finite(b) and -100 <= b <= 100
@@ -168,6 +184,7 @@ class Request:
     wait_reason: str = "queued"
     error: str | None = None
     scheduled_time: float | None = None  # first admitted to the running batch
+    queue_key: tuple[int, int] = (0, 0)  # the scheduler's order: (priority, arrival number)
     first_token_time: float | None = None
     finish_time: float | None = None
     constraint: RequestConstraint | None = None  # its grammar matcher and thought (structured)

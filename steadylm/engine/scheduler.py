@@ -6,6 +6,16 @@ request is preempted (recompute). So the oldest request can always take one more
 running request finishes, and every waiting request is admitted once the pool drains. No input
 reaches an assert: a request that still cannot grow alone is finished with an error.
 
+Order: every request has a key, (priority, arrival number); the waiting queue and the running
+batch are both kept in key order. Under "fcfs" (the default) the priority is 0 for all, so the
+key is arrival order. Under "priority" (vLLM's `--scheduling-policy priority`) a lower value
+comes first and, within a value, the earlier arrival. The same guarantee holds with "oldest"
+read as "first in key order", and a waiting request may preempt running requests of a larger
+value when it cannot be admitted otherwise.
+
+Deadlines: a request whose `timeout` has passed since its arrival is finished at the start of
+the next schedule ("timeout", its output so far), running or waiting, and its blocks freed.
+
 With speculative decoding a decoding request may also carry draft tokens (`spec_token_ids`):
 it computes 1 + k tokens against the budget, and its drafts take only blocks that no request
 behind it could need this step, so drafts never cause a preemption. The blocks the rejected
@@ -14,9 +24,9 @@ drafts used are released in `update`.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from steadylm.engine.block_manager import BlockManager
@@ -41,6 +51,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     errored: list[Request] = field(default_factory=list)
     trimmed: list[Request] = field(default_factory=list)  # gave back rejected drafts' blocks
+    expired: list[Request] = field(default_factory=list)  # finished by their deadline
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +67,10 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_empty_steps: int = 0
+    num_timeouts: int = 0
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class Scheduler:
@@ -65,14 +80,20 @@ class Scheduler:
         max_batch_size: int,
         max_num_tokens: int,
         speculator: Speculator | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {policy!r}: one of {SCHEDULING_POLICIES}")
         self.bm = block_manager
         self.speculator = speculator
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.policy = policy
+        self.waiting: list[Request] = []  # in key order: the head is waiting[0]
+        self.running: list[Request] = []  # in key order: the first can always grow
         self.stats = SchedulerStats()
+        self._arrivals = 0
+        self._deadlines = False  # some request ever came with a timeout: check each step
 
     @property
     def has_unfinished(self) -> bool:
@@ -80,16 +101,56 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        prio = request.params.priority if self.policy == "priority" else 0
+        request.queue_key = (prio, self._arrivals)
+        self._arrivals += 1
+        self._deadlines |= request.params.timeout is not None
+        _insort(self.waiting, request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self._deadlines:
+            self._expire(out, time.monotonic())
+        made_room = self.policy == "priority" and self._preempt_for_priority(out)
         budget = self._schedule_running(out, self.max_num_tokens)
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no preemption but those that made room
             self._admit_waiting(out, budget)
         self.stats.num_steps += 1
         self.stats.num_empty_steps += out.is_empty
         return out
+
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        """Finish every request whose deadline has passed, with its output so far."""
+        for queue in (self.running, self.waiting):
+            for req in [r for r in queue if _expired(r, now)]:
+                if queue is self.running:
+                    self._remove(req)
+                else:
+                    self.waiting.remove(req)
+                req.finish(RequestStatus.FINISHED_TIMEOUT)
+                self.stats.num_timeouts += 1
+                out.expired.append(req)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> int:
+        """While the waiting head outranks the last running request (a strictly lower
+        priority value) and cannot be admitted as things are, preempt that request. Returns
+        how many were preempted."""
+        n = 0
+        while self.waiting and self.running:
+            head, last = self.waiting[0], self.running[-1]
+            if head.queue_key[0] >= last.queue_key[0]:
+                break
+            if len(self.running) < self.max_batch_size and self._fits(head):
+                break
+            self._preempt(self.running.pop(), out)
+            n += 1
+        return n
+
+    def _fits(self, req: Request) -> bool:
+        """Whether `req`'s first chunk could be admitted now (blocks and watermark)."""
+        prefix = self.bm.find_cached_prefix(req)
+        n = min(req.num_tokens - len(prefix) * self.bm.block_size, self.max_num_tokens)
+        return self.bm.can_allocate(req, n, prefix, keep_watermark=bool(self.running))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -151,7 +212,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         victim.wait_reason = "preempted"
-        self.waiting.appendleft(victim)
+        _insort(self.waiting, victim)  # ahead of every later arrival of its priority
         self.stats.num_preemptions += 1
         out.preempted.append(victim)
         logger.debug("preempted %s at %d tokens", victim.request_id, victim.num_tokens)
@@ -171,7 +232,7 @@ class Scheduler:
             keep = bool(self.running)
             if not self.bm.can_allocate(req, n, prefix, keep_watermark=keep):
                 return self._mark_waiting("no_free_blocks")
-            self.waiting.popleft()
+            self.waiting.pop(0)
             self.bm.allocate(req, n, prefix)
             self.bm.record_prefix_query(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
@@ -181,7 +242,7 @@ class Scheduler:
             req.wait_reason = ""
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
-            self.running.append(req)
+            _insort(self.running, req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
 
@@ -193,7 +254,7 @@ class Scheduler:
         self, out: SchedulerOutput, sampled: dict[str, tuple[list[int], list | None]]
     ) -> list[Request]:
         """Advance progress after the model ran; return the requests that finished."""
-        finished = list(out.errored)
+        finished = out.errored + out.expired
         for s in out.scheduled:
             req = s.request
             tokens, logprobs = sampled.get(req.request_id, ((), None))
@@ -240,6 +301,16 @@ class Scheduler:
         return None
 
     def _remove(self, req: Request) -> None:
+        """A running request leaves for good (finished, failed or aborted)."""
         if req in self.running:
             self.running.remove(req)
         self.bm.free(req)
+
+
+def _insort(queue: list[Request], req: Request) -> None:
+    bisect.insort(queue, req, key=lambda r: r.queue_key)
+
+
+def _expired(req: Request, now: float) -> bool:
+    t = req.params.timeout
+    return t is not None and now - req.arrival_time >= t

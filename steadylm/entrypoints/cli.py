@@ -103,6 +103,15 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--num-gpu-blocks", dict(type=int, default=0, help="absolute KV capacity in blocks")),
     ("--seed", dict(type=int, default=0, help="seed for unseeded sampling")),
     (
+        "--scheduling-policy",
+        dict(
+            choices=["fcfs", "priority"],
+            default="fcfs",
+            help="vLLM: fcfs (arrival order), or priority (a request's `priority`, lower "
+            "first; a waiting request may preempt running ones of a larger value)",
+        ),
+    ),
+    (
         "--eager-mode",
         dict(
             action="store_true",

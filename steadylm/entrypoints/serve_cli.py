@@ -155,6 +155,13 @@ def _add_lmdeploy_server_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-metrics", action="store_true", help="no /metrics route")
     g.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="a request's deadline when its body gives no `timeout`: past it the request ends "
+        'with its output so far (finish_reason "timeout") and its KV is freed (default: none)',
+    )
+    g.add_argument(
         "--metrics-names",
         choices=("steadylm", "vllm", "both"),  # server.metrics.METRICS_NAMES
         default="both",
@@ -381,6 +388,7 @@ def run(args: argparse.Namespace, engine_config) -> int:
         args.reasoning_parser,
         args.tool_call_parser,
         args.metrics_names,
+        args.request_timeout_s,
     )
     app = build_app(state)
     configure_app(app, args)

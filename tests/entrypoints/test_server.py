@@ -723,14 +723,43 @@ def test_metrics_under_vllm_names_count_each_request(client, server):
     assert ("steadylm_generation_tokens_total", ()) in after  # ours too
 
 
-def test_metrics_names_choose_the_series():
+def test_metrics_names_and_the_default_deadline():
+    """`--metrics-names vllm` serves vLLM's series only; `--request-timeout-s` is the deadline
+    of a request that gives none (a billionth of a second: it ends before its first token)."""
     import signal
 
-    proc, base = start_server("--metrics-names", "vllm")
+    from openai import OpenAI
+
+    proc, base = start_server("--metrics-names", "vllm", "--request-timeout-s", "1e-9")
     try:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30)
         names = {name for name, _ in _families(base)}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    assert r.choices[0].finish_reason == "timeout" and r.choices[0].text == ""
     assert "vllm:num_requests_running" in names
     assert not [n for n in names if n.startswith("steadylm_")]
+
+
+def test_priority_and_timeout_fields(client):
+    """vLLM's `priority` needs --scheduling-policy priority (a 400 naming it, as vLLM); our
+    `timeout` ends a request with its output so far."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="scheduling-policy priority"):
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=5, extra_body={"priority": 1}
+        )
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=30, extra_body={"timeout": 1e-9}
+    )
+    assert r.choices[0].finish_reason == "timeout" and r.usage.completion_tokens == 0
+    for bad in (0, -1, "5", True):
+        with pytest.raises(openai.BadRequestError, match="timeout"):
+            client.completions.create(
+                model=MODEL, prompt="x", max_tokens=2, extra_body={"timeout": bad}
+            )
+    r = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length"  # the server is fine after all that

@@ -98,6 +98,7 @@ class ServerState:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
         metrics_names: str = "both",
+        request_timeout_s: float | None = None,
     ) -> None:
         check_api_keys(api_keys)
         for name, value in (
@@ -117,6 +118,12 @@ class ServerState:
         self.max_body_bytes = max_request_body_bytes
         self.in_flight = 0  # choices in flight (a request of n choices counts n)
         self.metrics = Metrics(metrics_names, model_name, engine.session_len)
+        if request_timeout_s is not None and not 0 < request_timeout_s < float("inf"):
+            raise ConfigError(
+                f"request_timeout_s={request_timeout_s!r} must be a number of seconds > 0",
+                param="request_timeout_s",
+            )
+        self.request_timeout_s = request_timeout_s  # a request's deadline when it gives none
         self.created = int(time.time())
         self.reasoning = None
         if reasoning_parser is not None:
@@ -469,6 +476,8 @@ def _sampling(
         prompt_logprobs=logprobs if not chat and body.echo else None,
         structured_outputs=constraints[0],
         thinking=constraints[1],
+        priority=body.priority,
+        timeout=body.timeout if body.timeout is not None else state.request_timeout_s,
     )
 
 

@@ -160,7 +160,10 @@ class _VLLMSeries:
             setattr(self, attr, hist(f"vllm:{name}", doc, buckets or _VLLM_REQUEST))
 
     def finished(self, reason, num_prompt, num_output, ttft_s, t: dict, max_tokens) -> None:
-        reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, "error")
+        # vLLM's reasons; our deadline cut a request short as an abort does
+        reason = {"stop": "stop", "length": "length", "abort": "abort", "timeout": "abort"}.get(
+            reason, "error"
+        )
         self.success.labels(*self.labels, reason).inc()
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_output)

@@ -108,6 +108,11 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     min_new_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+    # vLLM's: served lower first under --scheduling-policy priority (0 otherwise)
+    priority: int = Field(0, ge=-(2**63), le=INT64_MAX)
+    # steadylm's deadline: seconds from arrival, then the request ends with its output so far
+    # (finish_reason "timeout") and its KV is freed; the server default is --request-timeout-s
+    timeout: float | None = Field(None, gt=0)
 
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
