@@ -38,6 +38,8 @@ class OutputProcessor:
     text: str = ""
 
     def __post_init__(self) -> None:
+        # vLLM's stop_reason: the stop string or stop token id (not EOS) that ended the output
+        self.stop_reason: int | str | None = None
         self.detok = IncrementalDetokenizer(
             self.tokenizer,
             self.prompt_ids,
@@ -53,6 +55,8 @@ class OutputProcessor:
     def feed(self, out: RequestOutput) -> Delta:
         new = list(out.new_token_ids)
         stop_token = out.finished and out.finish_reason == "stop" and new and new[-1] in self.stops
+        if stop_token and new[-1] in self.stop_token_ids:
+            self.stop_reason = new[-1]
         if stop_token and not self.include_stop_str_in_output:
             new = new[:-1]
         already_stopped = self.detok.stopped
@@ -60,6 +64,8 @@ class OutputProcessor:
         if already_stopped:  # tokens that raced past a stop string are not output
             new = []
         lps = out.new_logprobs[: len(new)]
+        if self.detok.stop_hit is not None:
+            self.stop_reason = self.detok.stop_hit
         self.token_ids += new
         self.logprobs += lps
         self.text += text

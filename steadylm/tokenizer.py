@@ -191,6 +191,7 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self.stop = [s for s in (stop or []) if s]
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         try:
@@ -221,6 +222,7 @@ class IncrementalDetokenizer:
                 at, stop = min(hits)
                 self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
                 self.stopped = final = True
+                self.stop_hit = stop
         hold = 0 if final else max(0, longest - 1)
         end = max(self.emitted, len(self.text) - hold)
         delta, self.emitted = self.text[self.emitted : end], end

@@ -541,7 +541,120 @@ ROUTES = [
     ),
 ]
 
-TABLE = NUMERIC + STRICT_TYPES + STOP_LISTS + TEXT + MALFORMED + HUGE + ROUTES
+M = "/v1/messages"  # Anthropic's Messages API: its own error shape
+MC = "/v1/messages/count_tokens"
+
+
+def msg(**kw) -> dict:
+    return {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        **kw,
+    }
+
+
+def blocks(*content: dict, role: str = "user") -> list[dict]:
+    return [{"role": role, "content": list(content)}]
+
+
+MESSAGES = [
+    Case("messages: max_tokens 2**63", M, msg(max_tokens=2**63), field="max_tokens"),
+    Case("messages: max_tokens 0", M, msg(max_tokens=0), field="max_tokens"),
+    Case("messages: no max_tokens", M, without(msg(), "max_tokens"), field="max_tokens"),
+    Case("messages: empty list", M, msg(messages=[]), field="messages"),
+    Case("messages: a system role", M, msg(messages=[{"role": "system", "content": "x"}])),
+    Case("messages: an unknown block", M, msg(messages=blocks({"type": "video", "url": "x"}))),
+    Case(
+        "messages: an image block",
+        M,
+        msg(messages=blocks({"type": "image", "source": {"type": "url", "url": "http://x"}})),
+        fragment="image",
+    ),
+    Case(
+        "messages: tool_use from the user",
+        M,
+        msg(messages=blocks({"type": "tool_use", "id": "t", "name": "f", "input": {}})),
+        fragment="tool_use",
+    ),
+    Case(
+        "messages: tool_result from the assistant",
+        M,
+        msg(
+            messages=[
+                {"role": "user", "content": "hi"},
+                *blocks({"type": "tool_result", "tool_use_id": "t"}, role="assistant"),
+            ]
+        ),
+        fragment="tool_result",
+    ),
+    Case(
+        "messages: tool_use input a list",
+        M,
+        msg(
+            messages=[
+                {"role": "user", "content": "hi"},
+                *blocks(
+                    {"type": "tool_use", "id": "t", "name": "f", "input": [1]}, role="assistant"
+                ),
+            ]
+        ),
+        field="input",
+    ),
+    Case(
+        "messages: a tool without input_schema", M, msg(tools=[{"name": "f"}]), field="input_schema"
+    ),
+    Case(
+        "messages: tool_choice tool without a name",
+        M,
+        msg(
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}
+        ),
+        field="name",
+    ),
+    Case(
+        "messages: thinking budget negative",
+        M,
+        msg(thinking={"type": "enabled", "budget_tokens": -1}),
+        field="budget_tokens",
+    ),
+    Case("messages: 65 stop sequences", M, msg(stop_sequences=["x"] * 65), field="stop_sequences"),
+    Case("messages: system a number", M, msg(system=5), field="system"),
+    Case("messages: NaN temperature", M, raw(msg(), temperature="NaN"), fragment="NaN"),
+    Case("messages: top_k a string", M, msg(top_k="5"), field="top_k"),
+    Case("messages: a lone surrogate", M, raw(msg(), system='"\\ud800"'), field="system"),
+    Case(
+        "messages: output_config without a schema",
+        M,
+        msg(output_config={"format": {"type": "json_schema"}}),
+        field="schema",
+    ),
+    Case(
+        "messages: tool input nested 10000 deep",
+        M,
+        raw(msg(), metadata="[" * 10000 + "]" * 10000),
+        fragment="nested",
+    ),
+    Case(
+        "messages: unknown model",
+        M,
+        msg(model="claude-x"),
+        expect=frozenset({404}),
+        field="claude-x",
+    ),
+    Case(
+        "messages: unknown model, streamed",
+        M,
+        msg(model="claude-x", stream=True),
+        expect=frozenset({404}),
+    ),
+    Case("messages: GET", M, method="GET", expect=frozenset({405})),
+    Case("count_tokens: empty messages", MC, msg(messages=[]), field="messages"),
+    Case("count_tokens: not JSON", MC, b"{", fragment="JSON"),
+    Case("messages: served", M, msg(), expect=frozenset({200})),
+]
+
+TABLE = NUMERIC + STRICT_TYPES + STOP_LISTS + TEXT + MALFORMED + HUGE + ROUTES + MESSAGES
 
 
 @pytest.fixture(scope="module")
@@ -570,6 +683,15 @@ def _send(http: httpx.Client, case: Case) -> httpx.Response:
 
 def _check_error(r: httpx.Response, case: Case) -> None:
     body = r.json()
+    if case.path.startswith(M):  # Anthropic's shape
+        assert body.get("type") == "error" and isinstance(body.get("error"), dict), r.text[:300]
+        err = body["error"]
+        assert isinstance(err.get("type"), str) and isinstance(err.get("message"), str), err
+        assert err["message"] and not TRACEBACK.search(err["message"]), err["message"][:500]
+        for needle in (case.field, case.fragment):
+            assert needle is None or needle in err["message"], err
+        return
+    body = r.json()
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), r.text[:300]
     err = body["error"]
     assert {"message", "type", "param", "code"} <= set(err), err
@@ -588,6 +710,9 @@ def _check_served(r: httpx.Response, case: Case) -> None:
     if case.path in (C, CH):
         body = r.json()
         assert body.get("choices") and "error" not in body, r.text[:300]
+    if case.path == M:
+        body = r.json()
+        assert body.get("type") == "message" and body["content"], r.text[:300]
 
 
 def _attempt(send: Callable[[], httpx.Response]) -> httpx.Response | httpx.TransportError:
@@ -624,4 +749,4 @@ def test_table_covers_every_route_and_100_rows():
     assert len(TABLE) >= 100
     assert len({c.id for c in TABLE}) == len(TABLE)
     paths = {c.path.split("?")[0] for c in TABLE}
-    assert {C, CH, "/v1/models", "/health", "/metrics"} <= paths
+    assert {C, CH, M, MC, "/v1/models", "/health", "/metrics"} <= paths

@@ -28,6 +28,7 @@ from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import RequestStatus, SamplingParams
 from steadylm.engine.structured import StructuredOutputs
 from steadylm.entrypoints.serve_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
+from steadylm.entrypoints.server import anthropic
 from steadylm.entrypoints.server.chat_output import ChoiceOutput
 from steadylm.entrypoints.server.metrics import Metrics
 from steadylm.entrypoints.server.protocol import (
@@ -153,24 +154,17 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(
-            error_body(exc.message, exc.type, exc.param, exc.status),
-            status_code=exc.status,
-            headers=exc.headers,
-        )
+    async def _api_error(request: Request, exc: APIError):
+        return _error(exc.status, exc.message, exc.type, exc.param, request, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         err = _validation_api_error(exc.errors())
-        return _error(err.status, err.message, err.type, err.param)
+        return _error(err.status, err.message, err.type, err.param, request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(
-            error_body(str(exc.detail), "invalid_request_error", None, exc.status_code),
-            status_code=exc.status_code,
-        )
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", None, request)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
@@ -179,20 +173,24 @@ def build_app(state: ServerState) -> FastAPI:
         if state.api_keys and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
             key = header[7:] if header.lower().startswith("bearer ") else ""
+            key = key or request.headers.get("x-api-key", "")  # Anthropic's clients send this
             if key not in state.api_keys:
                 return _error(
                     401,
-                    "invalid or missing API key (Authorization: Bearer <key>)",
+                    "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
                     "authentication_error",
+                    None,
+                    request,
                 )
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > state.max_body_bytes:
-            return _too_large(state)
+            return _error(413, _too_large_message(state), "invalid_request_error", None, request)
         try:
             return await call_next(request)
         except Exception:
             logger.exception("unhandled error on %s %s", request.method, request.url.path)
-            return _error(500, "internal server error (logged on the server)", "server_error")
+            message = "internal server error (logged on the server)"
+            return _error(500, message, "server_error", None, request)
 
     @app.get("/health")
     async def health():
@@ -241,6 +239,22 @@ def build_app(state: ServerState) -> FastAPI:
         ids = await _encode_chat(state, body)
         return await _serve(state, request, body, [ids], chat=True)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API, run as the chat request it means (anthropic.py)."""
+        msg = await _parse_body(request, anthropic.MessagesRequest, state)
+        body = _chat_of(msg, state)
+        _check_request(state, body, 1)
+        ids = await _encode_chat(state, body)
+        return await _serve(state, request, body, [ids], chat=True, anthropic_body=msg)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        msg = await _parse_body(request, anthropic.CountTokensRequest, state)
+        body = _chat_of(msg, state)
+        _check_model(state, body.model)
+        return {"input_tokens": len(await _encode_chat(state, body))}
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's /tokenize: the ids a completion or chat request would feed the model."""
@@ -275,16 +289,26 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, status), status_code=status)
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    request: Request | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    """An error in OpenAI's shape, or Anthropic's on its routes (/v1/messages...)."""
+    if request is not None and request.url.path.startswith("/v1/messages"):
+        body = anthropic.error_body(
+            status, f"{param}: {message}" if param and param not in message else message
+        )
+    else:
+        body = error_body(message, type_, param, status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _too_large_message(state: ServerState) -> str:
     return f"the request body is larger than --max-request-body-bytes={state.max_body_bytes}"
-
-
-def _too_large(state: ServerState) -> JSONResponse:
-    return _error(413, _too_large_message(state), "invalid_request_error")
 
 
 def _no_constants(name: str) -> None:
@@ -341,14 +365,22 @@ async def _parse_body(request: Request, model: type[BaseModel], state: ServerSta
 
 
 def _validation_api_error(errors: list) -> APIError:
-    err = errors[0] if errors else {}
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    """The most specific of pydantic's errors (the deepest: a union's matching branch says
+    more than "not a string"), named by its field path without the branches' type names."""
+    err = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _branch(p)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid request")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     text = f"{param}: {msg}" if param else msg
     return APIError(400, text, "invalid_request_error", param)
+
+
+def _branch(part) -> bool:
+    """A union branch's name in a pydantic error location (`list[...]`, `tagged-union[...]`,
+    `str`, `function-after[...]`), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
 async def _encode(fn, *args):
@@ -493,7 +525,26 @@ def _logit_bias(body: SamplingFields, state: ServerState) -> tuple[tuple[int, fl
     return pairs
 
 
-async def _serve(state: ServerState, request: Request, body, prompts: list[list[int]], chat: bool):
+def _chat_of(msg: anthropic.MessagesRequest, state: ServerState) -> ChatCompletionRequest:
+    """The chat request an Anthropic Messages request means, validated as one."""
+    try:
+        data = anthropic.to_chat(msg)
+        return ChatCompletionRequest.model_validate(data)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        errors = getattr(exc, "errors", None)
+        if callable(errors):
+            raise _validation_api_error(errors()) from None
+        raise APIError(400, str(exc), "invalid_request_error") from None
+
+
+async def _serve(
+    state: ServerState,
+    request: Request,
+    body,
+    prompts: list[list[int]],
+    chat: bool,
+    anthropic_body: anthropic.MessagesRequest | None = None,
+):
     jobs = [(i * body.n + j, ids) for i, ids in enumerate(prompts) for j in range(body.n)]
     cost = len(jobs)  # every choice is a sequence in the engine: it counts as one in flight
     if state.max_concurrent is not None and cost > state.max_concurrent:
@@ -522,11 +573,19 @@ async def _serve(state: ServerState, request: Request, body, prompts: list[list[
         state.in_flight -= cost
         raise
     if body.stream:
-        return StreamingResponse(_release(run.sse(), state, cost), media_type="text/event-stream")
+        if anthropic_body is None:
+            stream = run.sse()
+        else:
+            prompt = run.prompt_lens[0]
+            stream = anthropic.events(run.chunks(), anthropic_body, state.model_name, prompt)
+        return StreamingResponse(_release(stream, state, cost), media_type="text/event-stream")
     try:
-        return await _until_done_or_disconnect(run, request)
+        result = await _until_done_or_disconnect(run, request)
     finally:
         state.in_flight -= cost
+    if anthropic_body is not None and isinstance(result, dict):
+        return anthropic.to_message(result, anthropic_body, run.cached.get(0, 0))
+    return result
 
 
 async def _release(gen: AsyncIterator[str], state: ServerState, cost: int) -> AsyncIterator[str]:
@@ -760,8 +819,15 @@ class _Run:
                 "message": out.message(text),
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason(reason),
+                "stop_reason": self.procs[i].stop_reason,  # vLLM's: which stop ended it
             }
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {
+            "index": i,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": self.procs[i].stop_reason,
+        }
 
     async def _logprobs_of(self, i: int, pairs: list) -> dict | None:
         """`_logprobs` when asked for; a long list (an echoed prompt) is decoded off the event
@@ -825,6 +891,13 @@ class _Run:
         }
 
     async def sse(self) -> AsyncIterator[str]:
+        async for chunk in self.chunks():
+            yield _event(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The stream's chunks in OpenAI's shape (an error as an error body), before SSE
+        framing: /v1/messages translates them into Anthropic's events."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         head = {
             "id": self.id,
@@ -834,22 +907,12 @@ class _Run:
         }
         if self.chat:
             for i in sorted(self.procs):
-                yield _event(
-                    {
-                        **head,
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
+                first = {"role": "assistant", "content": ""}
+                choice = {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+                yield {**head, "choices": [choice]}
         async for i, d in self.deltas():
             if d.error:
-                yield _event(error_body(d.error, "internal_server_error", None, 500))
+                yield error_body(d.error, "internal_server_error", None, 500)
                 continue
             pieces = self.outs[i].feed(d.text, final=d.finished) if self.chat else []
             # tokens whose text is held back keep their logprobs for the next chunk sent
@@ -870,7 +933,9 @@ class _Run:
                         "logprobs": lps if k == 0 else None,
                         "finish_reason": reason,
                     }
-                    yield _event({**head, "choices": [choice]})
+                    if reason is not None:
+                        choice["stop_reason"] = self.procs[i].stop_reason
+                    yield {**head, "choices": [choice]}
                 continue
             choice = {
                 "index": i,
@@ -878,11 +943,12 @@ class _Run:
                 "logprobs": lps,
                 "finish_reason": d.finish_reason,
             }
-            yield _event({**head, "choices": [choice]})
+            if d.finished:
+                choice["stop_reason"] = self.procs[i].stop_reason
+            yield {**head, "choices": [choice]}
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
-            yield _event({**head, "choices": [], "usage": self._usage()})
-        yield "data: [DONE]\n\n"
+            yield {**head, "choices": [], "usage": self._usage()}
 
 
 async def _in_daemon_thread(fn, *args):
