@@ -82,3 +82,32 @@ def server():
     yield base
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
+
+
+TOOLS_MODEL = "m"  # the served name of the tiny Qwen servers below
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(qwen25_dir):
+    from tests.entrypoints.test_server import inproc_server
+
+    with inproc_server(
+        engine_kw={"num_gpu_blocks": 256},
+        model_dir=qwen25_dir,
+        name=TOOLS_MODEL,
+        tool_call_parser="hermes",
+    ) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def r1(qwen_dsr1_dir):
+    from tests.entrypoints.test_server import inproc_server
+
+    with inproc_server(
+        engine_kw={"num_gpu_blocks": 128},
+        model_dir=qwen_dsr1_dir,
+        name=TOOLS_MODEL,
+        reasoning_parser="deepseek-r1",
+    ) as (base, state):
+        yield base, state

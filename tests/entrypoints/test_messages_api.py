@@ -180,17 +180,6 @@ TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen_tools(qwen25_dir):
-    with inproc_server(
-        engine_kw={"num_gpu_blocks": 256},
-        model_dir=qwen25_dir,
-        name=NAME,
-        tool_call_parser="hermes",
-    ) as (base, _):
-        yield base
-
-
 def test_a_forced_tool_is_a_tool_use_block_streamed_or_not(qwen_tools):
     client = _client(qwen_tools)
     kw = dict(
@@ -252,22 +241,12 @@ def test_a_forced_tool_is_a_tool_use_block_streamed_or_not(qwen_tools):
     assert len(text["tokens"]) == ids and "<tool_response>" in "".join(text["token_strs"])
 
 
-@pytest.fixture(scope="module")
-def r1(qwen_dsr1_dir):
-    with inproc_server(
-        engine_kw={"num_gpu_blocks": 128},
-        model_dir=qwen_dsr1_dir,
-        name=NAME,
-        reasoning_parser="deepseek-r1",
-    ) as (base, _):
-        yield base
-
-
 @pytest.mark.parametrize("budget", [0, 4])
 def test_thinking_budget_tokens_is_the_thinking_budget(r1, budget):
     """`thinking.budget_tokens` is our thinking budget: the thinking block is the chat route's
     reasoning under max_thinking_tokens, and the text block its answer (same seed)."""
-    client = _client(r1)
+    base, _ = r1
+    client = _client(base)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     m = client.messages.create(
         model=NAME,
@@ -277,7 +256,7 @@ def test_thinking_budget_tokens_is_the_thinking_budget(r1, budget):
         extra_body={"seed": 3, "ignore_eos": True},
     )
     chat = _chat(
-        r1,
+        base,
         model=NAME,
         messages=ask,
         max_tokens=budget + 6,

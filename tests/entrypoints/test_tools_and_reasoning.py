@@ -11,7 +11,7 @@ import pytest
 
 from tests.entrypoints.test_server import inproc_server
 
-NAME = "m"
+NAME = "m"  # the served name of conftest's qwen_tools and r1 servers (TOOLS_MODEL)
 WEATHER = {
     "type": "function",
     "function": {
@@ -70,17 +70,6 @@ def _stream(client, **kw) -> tuple[str, dict[int, dict], str | None, str]:
                     call["arguments"] += tc.function.arguments
             reason = c.finish_reason or reason
     return content, calls, reason, reasoning
-
-
-@pytest.fixture(scope="module")
-def qwen_tools(qwen25_dir):
-    with inproc_server(
-        engine_kw={"num_gpu_blocks": 256},
-        model_dir=qwen25_dir,
-        name=NAME,
-        tool_call_parser="hermes",
-    ) as (base, _):
-        yield base
 
 
 def test_named_function_is_forced_from_noise(qwen_tools):
@@ -336,17 +325,6 @@ def test_auto_without_a_parser_is_a_400_but_required_works(qwen25_dir):
 
 
 # ---- reasoning -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def r1(qwen_dsr1_dir):
-    with inproc_server(
-        engine_kw={"num_gpu_blocks": 128},
-        model_dir=qwen_dsr1_dir,
-        name=NAME,
-        reasoning_parser="deepseek-r1",
-    ) as (base, state):
-        yield base, state
 
 
 def test_r1_template_opens_the_thought_in_the_prompt(r1):
