@@ -85,8 +85,13 @@ def kv_used(base: str) -> float:
 
 
 def test_models_and_health(client, server):
+    import openai
+
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 

@@ -207,22 +207,25 @@ def build_app(state: ServerState) -> FastAPI:
             media_type="text/plain; version=0.0.4",
         )
 
+    def model_card() -> dict:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "steadylm",
+            "max_model_len": state.engine.session_len,
+            # steadylm's: the token ids a client may send (bench serve draws from it)
+            "vocab_size": state.engine.model_config.vocab_size,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "steadylm",
-                    "max_model_len": state.engine.session_len,
-                    # steadylm's: the token ids a client may send (bench serve draws from it)
-                    "vocab_size": state.engine.model_config.vocab_size,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # the openai SDK's models.retrieve
+        _check_model(state, model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
