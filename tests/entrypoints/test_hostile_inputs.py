@@ -654,7 +654,54 @@ MESSAGES = [
     Case("messages: served", M, msg(), expect=frozenset({200})),
 ]
 
-TABLE = NUMERIC + STRICT_TYPES + STOP_LISTS + TEXT + MALFORMED + HUGE + ROUTES + MESSAGES
+R = "/v1/responses"  # OpenAI's Responses API (OpenAI's error shape)
+
+
+def resp(**kw) -> dict:
+    return {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 4, **kw}
+
+
+RESPONSES = [
+    Case("responses: no input", R, without(resp(), "input"), field="input"),
+    Case(
+        "responses: max_output_tokens 2**63",
+        R,
+        resp(max_output_tokens=2**63),
+        field="max_output_tokens",
+    ),
+    Case("responses: input a number", R, resp(input=5), field="input"),
+    Case("responses: an item without a role", R, resp(input=[{"content": "x"}]), fragment="role"),
+    Case(
+        "responses: an unknown item type",
+        R,
+        resp(input=[{"type": "web_search_call"}]),
+        field="type",
+    ),
+    Case("responses: temperature 3", R, resp(temperature=3), field="temperature"),
+    Case(
+        "responses: a lone surrogate",
+        R,
+        raw(resp(), instructions='"\\ud800"'),
+        field="instructions",
+    ),
+    Case(
+        "responses: previous_response_id unknown",
+        R,
+        resp(previous_response_id="resp_x"),
+        expect=frozenset({404}),
+        field="previous_response_id",
+    ),
+    Case("responses: tool without a name", R, resp(tools=[{"type": "function"}]), field="name"),
+    Case(
+        "responses: unknown model", R, resp(model="gpt-9"), expect=frozenset({404}), field="model"
+    ),
+    Case("responses: GET", R, method="GET", expect=frozenset({405})),
+    Case("responses: served", R, resp(), expect=frozenset({200})),
+]
+
+TABLE = (
+    NUMERIC + STRICT_TYPES + STOP_LISTS + TEXT + MALFORMED + HUGE + ROUTES + MESSAGES + RESPONSES
+)
 
 
 @pytest.fixture(scope="module")
@@ -713,6 +760,9 @@ def _check_served(r: httpx.Response, case: Case) -> None:
     if case.path == M:
         body = r.json()
         assert body.get("type") == "message" and body["content"], r.text[:300]
+    if case.path == R:
+        body = r.json()
+        assert body.get("object") == "response" and body["output"], r.text[:300]
 
 
 def _attempt(send: Callable[[], httpx.Response]) -> httpx.Response | httpx.TransportError:
@@ -749,4 +799,4 @@ def test_table_covers_every_route_and_100_rows():
     assert len(TABLE) >= 100
     assert len({c.id for c in TABLE}) == len(TABLE)
     paths = {c.path.split("?")[0] for c in TABLE}
-    assert {C, CH, M, MC, "/v1/models", "/health", "/metrics"} <= paths
+    assert {C, CH, M, MC, R, "/v1/models", "/health", "/metrics"} <= paths

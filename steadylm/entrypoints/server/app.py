@@ -28,7 +28,7 @@ from steadylm.engine.llm_engine import LLMEngine
 from steadylm.engine.request import RequestStatus, SamplingParams
 from steadylm.engine.structured import StructuredOutputs
 from steadylm.entrypoints.serve_cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
-from steadylm.entrypoints.server import anthropic
+from steadylm.entrypoints.server import anthropic, responses
 from steadylm.entrypoints.server.chat_output import ChoiceOutput
 from steadylm.entrypoints.server.metrics import Metrics
 from steadylm.entrypoints.server.protocol import (
@@ -125,6 +125,7 @@ class ServerState:
                 param="request_timeout_s",
             )
         self.request_timeout_s = request_timeout_s  # a request's deadline when it gives none
+        self.responses = responses.ResponseStore()  # previous_response_id's conversations
         self.created = int(time.time())
         self.reasoning = None
         if reasoning_parser is not None:
@@ -246,15 +247,53 @@ def build_app(state: ServerState) -> FastAPI:
     async def messages(request: Request):
         """Anthropic's Messages API, run as the chat request it means (anthropic.py)."""
         msg = await _parse_body(request, anthropic.MessagesRequest, state)
-        body = _chat_of(msg, state)
+        body = _chat_of(anthropic.to_chat, msg)
         _check_request(state, body, 1)
         ids = await _encode_chat(state, body)
-        return await _serve(state, request, body, [ids], chat=True, anthropic_body=msg)
+        shape = _Shape(
+            lambda run: anthropic.events(run.chunks(), msg, state.model_name, run.prompt_lens[0]),
+            lambda run, result: anthropic.to_message(result, msg, run.cached.get(0, 0)),
+        )
+        return await _serve(state, request, body, [ids], chat=True, shape=shape)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        """OpenAI's Responses API, run as the chat request it means (responses.py)."""
+        req = await _parse_body(request, responses.ResponsesRequest, state)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            history = state.responses.get(req.previous_response_id)
+            if history is None:
+                raise APIError(
+                    404,
+                    f"previous_response_id {req.previous_response_id!r} is not found: the server "
+                    f"keeps the last {responses.MAX_STORED_RESPONSES} stored responses in memory",
+                    "invalid_request_error",
+                    "previous_response_id",
+                )
+        body = _chat_of(lambda r: responses.to_chat(r, history), req)
+        _check_request(state, body, 1)
+        ids = await _encode_chat(state, body)
+        rid = responses._rid("resp")
+        turns = [*history, *responses.input_messages(req)]
+
+        def keep(response: dict) -> dict:
+            if req.store:
+                state.responses.put(rid, [*turns, *responses.answer_messages(response["output"])])
+            return response
+
+        shape = _Shape(
+            lambda run: responses.events(
+                run.chunks(), req, state.model_name, rid, run.prompt_lens[0], keep
+            ),
+            lambda run, result: keep(responses.to_response(result, req, rid, run.cached.get(0, 0))),
+        )
+        return await _serve(state, request, body, [ids], chat=True, shape=shape)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         msg = await _parse_body(request, anthropic.CountTokensRequest, state)
-        body = _chat_of(msg, state)
+        body = _chat_of(anthropic.to_chat, msg)
         _check_model(state, body.model)
         return {"input_tokens": len(await _encode_chat(state, body))}
 
@@ -528,10 +567,19 @@ def _logit_bias(body: SamplingFields, state: ServerState) -> tuple[tuple[int, fl
     return pairs
 
 
-def _chat_of(msg: anthropic.MessagesRequest, state: ServerState) -> ChatCompletionRequest:
-    """The chat request an Anthropic Messages request means, validated as one."""
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Another API's answer over the chat path: `stream(run)` its SSE text, `finish(run,
+    result)` its body from the finished chat completion."""
+
+    stream: Any
+    finish: Any
+
+
+def _chat_of(translate, req) -> ChatCompletionRequest:
+    """The chat request another API's request means (`translate(req)`), validated as one."""
     try:
-        data = anthropic.to_chat(msg)
+        data = translate(req)
         return ChatCompletionRequest.model_validate(data)
     except ValueError as exc:  # pydantic's ValidationError is one
         errors = getattr(exc, "errors", None)
@@ -546,7 +594,7 @@ async def _serve(
     body,
     prompts: list[list[int]],
     chat: bool,
-    anthropic_body: anthropic.MessagesRequest | None = None,
+    shape: _Shape | None = None,
 ):
     jobs = [(i * body.n + j, ids) for i, ids in enumerate(prompts) for j in range(body.n)]
     cost = len(jobs)  # every choice is a sequence in the engine: it counts as one in flight
@@ -576,18 +624,14 @@ async def _serve(
         state.in_flight -= cost
         raise
     if body.stream:
-        if anthropic_body is None:
-            stream = run.sse()
-        else:
-            prompt = run.prompt_lens[0]
-            stream = anthropic.events(run.chunks(), anthropic_body, state.model_name, prompt)
+        stream = run.sse() if shape is None else shape.stream(run)
         return StreamingResponse(_release(stream, state, cost), media_type="text/event-stream")
     try:
         result = await _until_done_or_disconnect(run, request)
     finally:
         state.in_flight -= cost
-    if anthropic_body is not None and isinstance(result, dict):
-        return anthropic.to_message(result, anthropic_body, run.cached.get(0, 0))
+    if shape is not None and isinstance(result, dict):
+        return shape.finish(run, result)
     return result
 
 
