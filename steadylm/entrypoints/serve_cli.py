@@ -107,11 +107,21 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "qwen", "qwen2_5", "qwen3", "llama3", "llama3_json"],
+        choices=[
+            "hermes",
+            "qwen",
+            "qwen2_5",
+            "qwen3",
+            "llama3",
+            "llama3_json",
+            "pythonic",
+            "llama4_pythonic",
+        ],  # fmt: skip
         default=None,
         help="read tool calls out of the answer for tool_choice 'auto' (hermes: Qwen2.5/3's "
-        "<tool_call> blocks; llama3_json: Llama 3.x JSON calls); 'required' and named "
-        "functions work without it (forced by structured output)",
+        "<tool_call> blocks; llama3_json: Llama 3.x JSON calls; pythonic: Llama 3.2+/4's "
+        "[f(a=1)] lists); 'required' and named functions work without it (forced by "
+        "structured output)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

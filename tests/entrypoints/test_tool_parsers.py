@@ -14,6 +14,7 @@ from steadylm.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    PythonicToolParser,
     ToolCall,
     parse_forced,
     tool_call_schema,
@@ -165,10 +166,39 @@ LLAMA_CASES = {
     "not_a_call": ('{"answer": 42}', '{"answer": 42}', []),
     "tag_then_code": ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
 }
-CASES = [(HermesToolParser, k, *v) for k, v in HERMES_CASES.items()] + [
-    (Llama3JsonToolParser, k, *v) for k, v in LLAMA_CASES.items()
-]
-CASE_IDS = [f"{cls.__name__[:6]}-{key}" for cls, key, *_ in CASES]
+PY = 'get_weather(city="Paris", unit="celsius")'
+PYTHONIC_CASES = {
+    "one": ("[" + PY + "]", None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    "two": (
+        "[" + PY + ", get_time(tz='UTC')]",
+        None,
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"tz": "UTC"}')],
+    ),
+    "no_arguments_spaces": ("  [get_time()]\n", None, [("get_time", "{}")]),
+    "llama4_tags": (
+        "<|python_start|>[get_time(tz='CET')]<|python_end|>",
+        None,
+        [("get_time", '{"tz": "CET"}')],
+    ),
+    "literals": (
+        "[get_weather(city='東京', unit=None, n=[1, 2.5, True], m={'a': -1})]",
+        None,
+        [("get_weather", '{"city": "東京", "unit": null, "n": [1, 2.5, true], "m": {"a": -1}}')],
+    ),
+    "content": ("The answer is [1, 2].", "The answer is [1, 2].", []),
+    "a_list_not_calls": ("[1, 2]", "[1, 2]", []),
+    "unknown_tool": ("[rm_rf(path='/')]", "[rm_rf(path='/')]", []),
+    "positional_argument": ("[get_time('UTC')]", "[get_time('UTC')]", []),
+    "not_a_literal": ("[get_time(tz=open('x'))]", "[get_time(tz=open('x'))]", []),
+    "unclosed": ("[get_time(tz='UTC'", "[get_time(tz='UTC'", []),
+    "text_after": ("[get_time()] done", "[get_time()] done", []),
+}
+CASES = (
+    [(HermesToolParser, k, *v) for k, v in HERMES_CASES.items()]
+    + [(Llama3JsonToolParser, k, *v) for k, v in LLAMA_CASES.items()]
+    + [(PythonicToolParser, k, *v) for k, v in PYTHONIC_CASES.items()]
+)
+CASE_IDS = [f"{cls.__name__[:8]}-{key}" for cls, key, *_ in CASES]
 
 
 def stream(parser, pieces) -> list[dict]:
@@ -283,6 +313,34 @@ def test_registry():
     for name in ("hermes", "qwen", "qwen2_5", "qwen3"):
         assert TOOL_PARSERS[name] is HermesToolParser
     assert TOOL_PARSERS["llama3"] is TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser
+    assert TOOL_PARSERS["pythonic"] is TOOL_PARSERS["llama4_pythonic"] is PythonicToolParser
+
+
+def test_pythonic_holds_a_list_and_streams_prose_at_once():
+    parser = PythonicToolParser(TOOLS)
+    assert parser.feed(" <|python_") == [] and parser.feed("start|>[get_") == []
+    assert parser.feed("time(tz='UTC')]") == []  # held until the output ends
+    assert rebuild(parser.finish()) == (None, [("get_time", '{"tz": "UTC"}')])
+    parser = PythonicToolParser(TOOLS)
+    assert parser.feed("Hello [") == [{"content": "Hello ["}]
+    assert parser.finish() == [] and not parser.called
+
+
+def test_pythonic_survives_hostile_output():
+    """Nothing the model writes makes the parser raise: deep nesting, huge literals, code."""
+    parser = PythonicToolParser(TOOLS)
+    for text in (
+        "[" * 5000,
+        "[get_time(tz=" + "(" * 300 + "1" + ")" * 300 + ")]",
+        "[get_time(tz=__import__('os').system('x'))]",
+        "[get_time(**{'tz': 1})]",
+        "[get_time(tz=1e999999)]",
+        "[get_time(tz=" + "9" * 5000 + ")]",
+    ):
+        content, calls = parser.parse(text)
+        strict = json.JSONDecoder(parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+        assert all(isinstance(strict.decode(c.arguments), dict) for c in calls), text[:80]
+        assert calls or content == text.strip()
 
 
 def test_bad_tools_are_a_value_error():
@@ -458,10 +516,14 @@ FRAGMENTS = [
     "\n",
     "Hi",
     "ok 🌧",
+    "[get_time(",
+    "tz='UTC'",
+    ")]",
+    "<|python_start|>",
 ]
 
 
-@pytest.mark.parametrize("cls", [HermesToolParser, Llama3JsonToolParser])
+@pytest.mark.parametrize("cls", [HermesToolParser, Llama3JsonToolParser, PythonicToolParser])
 def test_random_outputs_stream_like_parse(cls):
     """Outputs glued from markers, calls, their pieces and prose, fed in random pieces."""
     import random

@@ -1,5 +1,5 @@
 """Tool calls in model output text: the text side of OpenAI `tools`, as vLLM's
-`--tool-call-parser hermes` and `llama3_json` read it.
+`--tool-call-parser hermes`, `llama3_json` and `pythonic` read it.
 
 A parser turns a model's output into content plus `ToolCall`s, whole (`parse`) or piece by piece
 (`feed`, then `finish`) as OpenAI chat-completion-chunk deltas. Invariants the tests hold:
@@ -15,6 +15,7 @@ With tool_choice "required" or a named function the server constrains the output
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import uuid
@@ -317,6 +318,80 @@ class Llama3JsonToolParser(ToolParser):
         return self._content(text)
 
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's wrapping
+
+
+def _pythonic_calls(text: str, names: set[str] | None) -> list[ToolCall] | None:
+    """`[f(a=1, b="x"), g()]` (optionally inside Llama 4's <|python_start|> / <|python_end|>)
+    as calls, or None when it is not exactly a list of calls with literal keyword arguments
+    to known functions. Read with Python's own parser: nothing is evaluated but literals."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START) :]
+        body = body[: -len(PYTHON_END)] if body.endswith(PYTHON_END) else body
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+            return None
+        name = node.func.id
+        if names is not None and name not in names:
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None  # not literals, a **kwargs, or a value JSON cannot hold
+        if None in args:
+            return None
+        calls.append(ToolCall("call_" + uuid.uuid4().hex[:24], name, arguments))
+    return calls
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / 3.3 / 4's pythonic tool calling (vLLM's `pythonic`): the whole output is a
+    Python list of calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`,
+    optionally between <|python_start|> and <|python_end|>. Anything else is content. Output
+    that starts like a list (or the tag) is held until it ends, then sent as its calls, or as
+    content if it is not one; other output streams as content at once."""
+
+    ARGS_KEY = "arguments"
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        super().__init__(tools)
+        self._mode: str | None = None  # "calls" (held) or "text", once the start is known
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = _pythonic_calls(text, self._names)
+        return (None, calls) if calls else (text.strip() or None, [])
+
+    def feed(self, delta_text: str) -> list[dict]:
+        self._buf += delta_text
+        if self._mode is None:
+            head = self._buf.lstrip()
+            if not head or (PYTHON_START.startswith(head) and head != PYTHON_START):
+                return []  # too early to tell
+            looks = head.startswith("[") or head.startswith(PYTHON_START)
+            self._mode = "calls" if looks else "text"
+        if self._mode == "calls":
+            return []
+        out = self._content(self._buf)
+        self._buf = ""
+        return out
+
+    def finish(self) -> list[dict]:
+        text, self._buf = self._buf, ""
+        calls = _pythonic_calls(text, self._names) if self._mode != "text" else None
+        out = [d for call in calls for d in self._emit(call)] if calls else self._content(text)
+        self._ws, self._mode = "", "text"
+        return out
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,
@@ -324,6 +399,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3": HermesToolParser,
     "llama3": Llama3JsonToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,
 }
 
 
