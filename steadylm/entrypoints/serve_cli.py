@@ -33,9 +33,12 @@ LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", 
 def add_parser(sub, add_engine_flags) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="LMDeploy's `api_server` flags and vLLM's spellings of them are accepted; "
-        "docs/lmdeploy_compat.md gives each one's outcome.",
+        help="serve a model over the OpenAI and Anthropic HTTP APIs",
+        description="Routes: POST /v1/chat/completions, /v1/completions, /v1/responses "
+        "(OpenAI), /v1/messages and /v1/messages/count_tokens (Anthropic), /tokenize and "
+        "/detokenize (vLLM); GET /v1/models, /v1/models/{id}, /health, /metrics (ours and "
+        "vLLM's series names). LMDeploy's `api_server` flags and vLLM's spellings of them "
+        "are accepted; docs/lmdeploy_compat.md gives each one's outcome.",
     )
     p.add_argument(
         "model",
