@@ -123,8 +123,8 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="read tool calls out of the answer for tool_choice 'auto' (hermes: Qwen2.5/3's "
         "<tool_call> blocks; llama3_json: Llama 3.x JSON calls; pythonic: Llama 3.2+/4's "
-        "[f(a=1)] lists); 'required' and named functions work without it (forced by "
-        "structured output)",
+        "[f(a=1)] lists; qwen3_coder: Qwen3-Coder's XML calls); 'required' and named "
+        "functions work without it (forced by structured output)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -15,6 +15,7 @@ from steadylm.entrypoints.server.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
     ToolCall,
     parse_forced,
     tool_call_schema,
@@ -193,8 +194,39 @@ PYTHONIC_CASES = {
     "unclosed": ("[get_time(tz='UTC'", "[get_time(tz='UTC'", []),
     "text_after": ("[get_time()] done", "[get_time()] done", []),
 }
+
+
+def xml(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+CODER_CASES = {
+    "one": (xml("get_weather", city="Paris", unit="celsius"), None,
+            [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    "two_after_content": (
+        "Checking.\n" + xml("get_weather", city="New York") + "\n" + xml("get_time", tz="UTC"),
+        "Checking.",
+        [("get_weather", '{"city": "New York"}'), ("get_time", '{"tz": "UTC"}')],
+    ),
+    "typed_values": (
+        xml("get_weather", city="42", days="3", opts='{"a": [1, true]}'),
+        None,
+        [("get_weather", '{"city": "42", "days": 3, "opts": {"a": [1, true]}}')],
+    ),
+    "multiline_string": (xml("get_time", tz="line one\nline two"), None,
+                         [("get_time", '{"tz": "line one\\nline two"}')]),
+    "unknown_function": (xml("rm_rf", path="/"), xml("rm_rf", path="/"), []),
+    "not_xml": ("<tool_call>\nhello\n</tool_call>", "<tool_call>\nhello\n</tool_call>", []),
+    "unclosed_last": (
+        "Ok. <tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n",
+        "Ok.",
+        [("get_time", '{"tz": "UTC"}')],
+    ),
+}  # fmt: skip
 CASES = (
     [(HermesToolParser, k, *v) for k, v in HERMES_CASES.items()]
+    + [(Qwen3CoderToolParser, k, *v) for k, v in CODER_CASES.items()]
     + [(Llama3JsonToolParser, k, *v) for k, v in LLAMA_CASES.items()]
     + [(PythonicToolParser, k, *v) for k, v in PYTHONIC_CASES.items()]
 )
@@ -314,6 +346,7 @@ def test_registry():
         assert TOOL_PARSERS[name] is HermesToolParser
     assert TOOL_PARSERS["llama3"] is TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser
     assert TOOL_PARSERS["pythonic"] is TOOL_PARSERS["llama4_pythonic"] is PythonicToolParser
+    assert TOOL_PARSERS["qwen3_coder"] is Qwen3CoderToolParser
 
 
 def test_pythonic_holds_a_list_and_streams_prose_at_once():
@@ -520,10 +553,15 @@ FRAGMENTS = [
     "tz='UTC'",
     ")]",
     "<|python_start|>",
+    "<function=get_time>\n",
+    "<parameter=tz>\nUTC\n</parameter>\n",
+    "</function>\n",
 ]
 
 
-@pytest.mark.parametrize("cls", [HermesToolParser, Llama3JsonToolParser, PythonicToolParser])
+@pytest.mark.parametrize(
+    "cls", [HermesToolParser, Llama3JsonToolParser, PythonicToolParser, Qwen3CoderToolParser]
+)
 def test_random_outputs_stream_like_parse(cls):
     """Outputs glued from markers, calls, their pieces and prose, fed in random pieces."""
     import random

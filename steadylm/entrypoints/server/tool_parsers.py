@@ -1,5 +1,5 @@
 """Tool calls in model output text: the text side of OpenAI `tools`, as vLLM's
-`--tool-call-parser hermes`, `llama3_json` and `pythonic` read it.
+`--tool-call-parser hermes`, `llama3_json`, `pythonic` and `qwen3_coder` read it.
 
 A parser turns a model's output into content plus `ToolCall`s, whole (`parse`) or piece by piece
 (`feed`, then `finish`) as OpenAI chat-completion-chunk deltas. Invariants the tests hold:
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -178,7 +179,7 @@ class HermesToolParser(ToolParser):
         while (start := text.find(HERMES_START, pos)) >= 0:
             end = text.find(HERMES_END, start)
             stop = len(text) if end < 0 else end + len(HERMES_END)
-            call = self._call(_loads(text[start + len(HERMES_START) : end if end >= 0 else stop]))
+            call = self._body_call(text[start + len(HERMES_START) : end if end >= 0 else stop])
             content.append(text[pos:start] if call else text[pos:stop])
             if call:
                 calls.append(call)
@@ -214,8 +215,60 @@ class HermesToolParser(ToolParser):
         return out
 
     def _close(self, body: str, end: str) -> list[dict]:
-        call = self._call(_loads(body))
+        call = self._body_call(body)
         return self._emit(call) if call else self._content(HERMES_START + body + end)
+
+    def _body_call(self, body: str) -> ToolCall | None:
+        """The call a <tool_call> block's body holds, or None (then it stays content)."""
+        return self._call(_loads(body))
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+class Qwen3CoderToolParser(HermesToolParser):
+    """Qwen3-Coder's XML calls (vLLM's `qwen3_coder`): `<tool_call>\n<function=NAME>\n
+    <parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>`. Values are text;
+    each is read as its parameter's schema type says (integer, number, boolean, object, array:
+    as JSON; string as written, one newline trimmed at each end). A block that is not a call to
+    a known function stays content, as with hermes."""
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        super().__init__(tools)
+        self._schemas = {
+            name: (fn.get("parameters") or {}).get("properties") or {}
+            for name, fn in _functions(tools or []).items()
+        }
+
+    def _body_call(self, body: str) -> ToolCall | None:
+        m = _FUNCTION.match(body)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        if not name or (self._names is not None and name not in self._names):
+            return None
+        props = self._schemas.get(name, {})
+        args = {}
+        for key, raw in _PARAMETER.findall(m.group(2)):
+            key = key.strip()
+            spec = props.get(key) if isinstance(props, dict) else None
+            args[key] = _xml_value(raw, spec if isinstance(spec, dict) else {})
+        call_id = "call_" + uuid.uuid4().hex[:24]
+        return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
+
+
+def _xml_value(raw: str, spec: dict) -> Any:
+    text = raw[1:] if raw.startswith("\n") else raw
+    text = text[:-1] if text.endswith("\n") else text
+    kind = spec.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds or kind is None and "enum" in spec:
+        return text
+    value = _loads(text)
+    if value is None and text.strip() not in ("null", "None"):
+        return text  # not the type the schema says: kept as written, as vLLM does
+    return value
 
 
 def _llama_start(text: str, final: bool) -> int | None:
@@ -400,6 +453,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3": Llama3JsonToolParser,
     "llama3_json": Llama3JsonToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
     "llama4_pythonic": PythonicToolParser,
 }
 
