@@ -431,9 +431,10 @@ def plan_memory(
     session_len = ec.session_len or mc.max_position_embeddings
     if cuda_graphs is None:
         cuda_graphs = not is_cpu and not ec.eager_mode and tp == 1
-        if cuda_graphs and graph_blocker(mc):
+        blocker = graph_blocker(mc) if cuda_graphs else None
+        if blocker:
             cuda_graphs = False
-            notes.append(f"decode runs eagerly, without CUDA graphs: {graph_blocker(mc)}")
+            notes.append(f"decode runs eagerly, without CUDA graphs: {blocker}")
     graphs = cuda_graph_bytes(mc, ec.max_batch_size, dtype_bytes, tp) if cuda_graphs else 0
     n = ec.max_prefill_token_num
     spec = ec.speculative_config

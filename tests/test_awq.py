@@ -57,6 +57,18 @@ def awq_quantize(w: torch.Tensor, group: int):
     return (spec_pack(q.int()), spec_pack(zeros.int()), scales, deq.t().contiguous())
 
 
+def awq_config(group: int) -> dict:
+    """The quantization_config AutoAWQ writes (GEMM packing, 4 bits, zero point)."""
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+
+
 def save_awq(arch: str, path, group: int = 64, **overrides):
     """Write an AWQ checkpoint dir; return the HF model holding the dequantized weights."""
     hf = make_hf_model(arch, **{**AWQ_SHAPES, **overrides})
@@ -80,14 +92,7 @@ def save_awq(arch: str, path, group: int = 64, **overrides):
     cfg = hf.config.to_dict()
     cfg["torch_dtype"] = "float16"
     cfg["architectures"] = [type(hf).__name__]
-    cfg["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": None,
-    }
+    cfg["quantization_config"] = awq_config(group)
     (path / "config.json").write_text(json.dumps(cfg))
     with torch.no_grad():  # the dense parts went through fp16 in the checkpoint too
         for k, p in hf.named_parameters():

@@ -146,40 +146,33 @@ def test_unpermute_inverts_llama_cpp_permute_for_any_rows():
     assert torch.equal(src[slice(5, 37), slice(1, 3)], torch.from_numpy(w[5:37, 1:3]))
 
 
-def test_unknown_architecture_is_a_clear_error_before_allocating(tmp_path):
-    path = str(tmp_path / "phi.gguf")
-    w = gguf.GGUFWriter(path, "phi2")
+def _one_tensor_gguf(path: str, arch: str, experts: int | None = None) -> str:
+    """A GGUF file of one block and one F32 tensor: enough to be checked, never loaded."""
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
+    if experts is not None:
+        w.add_expert_count(experts)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_unknown_architecture_is_a_clear_error_before_allocating(tmp_path):
+    path = _one_tensor_gguf(str(tmp_path / "phi.gguf"), "phi2")
     with pytest.raises(ModelLoadError, match="architecture 'phi2' is not supported.*llama"):
         engine_for(path)
 
 
 def test_mixture_of_experts_gguf_is_refused_with_the_reason(tmp_path):
     """llama.cpp writes Mixtral as 'llama' with an expert count: not a dense Llama to load."""
-    path = str(tmp_path / "mixtral.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_expert_count(8)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _one_tensor_gguf(str(tmp_path / "mixtral.gguf"), "llama", experts=8)
     with pytest.raises(ModelLoadError, match="mixture of experts in GGUF .8 experts"):
         engine_for(path)
-    path = str(tmp_path / "qwen3moe.gguf")  # an architecture of its own: named as unsupported
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    # an architecture of its own: named as unsupported
+    path = _one_tensor_gguf(str(tmp_path / "qwen3moe.gguf"), "qwen3moe")
     with pytest.raises(ModelLoadError, match="architecture 'qwen3moe' is not supported"):
         engine_for(path)
 

@@ -192,7 +192,7 @@ def save_awq_moe(arch: str, tmp_path, group: int = 64):
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import GEMV_SIZES
-    from tests.test_awq import awq_quantize
+    from tests.test_awq import awq_config, awq_quantize
 
     shapes = dict(GEMV_SIZES, vocab_size=256, moe_intermediate_size=64)
     if arch == "mixtral":
@@ -213,14 +213,7 @@ def save_awq_moe(arch: str, tmp_path, group: int = 64):
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((dense_dir / "config.json").read_text())
     (deq_dir / "config.json").write_text(json.dumps(cfg))
-    cfg["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": None,
-    }
+    cfg["quantization_config"] = awq_config(group)
     (awq_dir / "config.json").write_text(json.dumps(cfg))
     hf = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
     return hf, str(awq_dir)
