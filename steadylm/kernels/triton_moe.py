@@ -33,6 +33,19 @@ from steadylm import kernels
 
 
 @triton.jit
+def _store_rows(
+    acc, pair, mask_m, offs_n, mask_n, c_ptr, stride_cm, scale_ptr, MUL_WEIGHT: tl.constexpr
+):
+    """Both GEMMs' epilogue: each pair's row of the tile, scaled by its routing weight when
+    MUL_WEIGHT (the down GEMM), stored at the pair's row of the output."""
+    if MUL_WEIGHT:
+        s = tl.load(scale_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * s[:, None]
+    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # (rows, K): x (T, H) for gate_up (a pair's row is pair // TOP_K), or (T k, I)
     w_ptr,  # (E, N, K) stacked expert weights, unit stride along K
@@ -76,11 +89,7 @@ def _moe_gemm_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if MUL_WEIGHT:
-        s = tl.load(scale_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
-        acc = acc * s[:, None]
-    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_rows(acc, pair, mask_m, offs_n, mask_n, c_ptr, stride_cm, scale_ptr, MUL_WEIGHT)
 
 
 @triton.jit
@@ -145,11 +154,7 @@ def _moe_awq_gemm_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         qw_ptrs += BLOCK_K * n_packed
-    if MUL_WEIGHT:
-        s = tl.load(scale_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
-        acc = acc * s[:, None]
-    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_rows(acc, pair, mask_m, offs_n, mask_n, c_ptr, stride_cm, scale_ptr, MUL_WEIGHT)
 
 
 def align_by_expert(
